@@ -1,0 +1,82 @@
+"""finetune: a base model and a dataset in, an evaluated QLoRA adapter out.
+
+    python flows/finetune.py                                   # the built-in demo (configs/demo.yaml)
+    python flows/finetune.py --config configs/X.yaml --set train.learning_rate=1e-4
+    python flows/finetune.py --help-config                     # every config key, documented
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before prefect reads its settings
+
+from prefect import flow  # noqa: E402
+
+from tasks.caching import run_step  # noqa: E402
+from tasks.config import load_config  # noqa: E402
+from tasks.dataset import prepare_dataset  # noqa: E402
+from tasks.environment import verify_environment  # noqa: E402
+from tasks.evaluate import evaluate_adapter, publish_eval  # noqa: E402
+from tasks.gpus import select_gpus  # noqa: E402
+from tasks.models import check_model_source, materialize_tokenizer  # noqa: E402
+from tasks.quantize import quantize_base_model  # noqa: E402
+from tasks.runs import create_run_dir, flow_run_name  # noqa: E402
+from tasks.summary import FinetuneResult, finish_run  # noqa: E402
+from tasks.train import train_adapter  # noqa: E402
+
+DEFAULT_CONFIG = "configs/demo.yaml"
+
+
+@flow(name="finetune", flow_run_name=flow_run_name, log_prints=True)
+def finetune(config: str = DEFAULT_CONFIG, overrides: list[str] | None = None) -> FinetuneResult:
+    cfg = load_config(config, overrides)
+    check_model_source(cfg.model.source)
+    run_dir = create_run_dir(cfg)
+
+    env, plan = verify_environment(cfg, run_dir)
+    gpus = select_gpus(cfg.hardware.gpus, env.gpus)
+    tokenizer = materialize_tokenizer(cfg.model.source, cfg.cache_root, cfg.model.revision,
+                                      cfg.model.trust_remote_code)
+    data, data_cached = run_step(prepare_dataset, cfg, tokenizer)
+    base, base_cached = run_step(quantize_base_model, cfg, plan, gpus, run_dir)
+    trainer = train_adapter.with_options(
+        retries=cfg.train.retries,
+        retry_delay_seconds=[cfg.train.retry_delay_seconds * 2**i for i in range(cfg.train.retries)] or 0,
+    )
+    train, train_cached = run_step(trainer, cfg, data, base, plan, gpus, run_dir)
+    report, eval_cached = run_step(evaluate_adapter, cfg, data, base, train.adapter_path, plan, gpus)
+
+    publish_eval(report)
+    return finish_run(run_dir, train, report, {"prepare-dataset": data_cached, "quantize-base-model": base_cached,
+                                               "train-adapter": train_cached, "evaluate-adapter": eval_cached})
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tasks.config import config_reference
+    from tasks.errors import UserInputError
+    from tasks.summary import print_table
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="run config YAML (default: %(default)s)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. train.max_steps=50 (repeatable)")
+    parser.add_argument("--help-config", action="store_true", help="print every config key with its doc and exit")
+    args = parser.parse_args(argv)
+    if args.help_config:
+        print(config_reference())
+        return 0
+    try:  # fail fast, before a Prefect server is even started
+        check_model_source(load_config(args.config, args.overrides).model.source)
+        result = finetune(args.config, args.overrides)
+    except UserInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

