@@ -355,7 +355,7 @@ def _dataset_key(context, parameters) -> str:
 
 
 @task(name="prepare-dataset", cache_key_fn=_dataset_key, persist_result=True, retries=1, retry_delay_seconds=5,
-      retry_condition_fn=retry_unless_user_error)
+      retry_condition_fn=retry_unless_user_error, task_run_name="prepare-dataset[{cfg.data.source}]", tags=["data"])
 def prepare_dataset(cfg: FinetuneConfig, tokenizer_dir: Path) -> PreparedDataset:
     from tasks.launcher import run_logger
 

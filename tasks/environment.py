@@ -221,7 +221,7 @@ def run_probe(workdir: Path) -> EnvironmentReport:
     return EnvironmentReport.model_validate(result)
 
 
-@task(name="verify-environment")
+@task(name="verify-environment", task_run_name="verify-environment[gpus={cfg.hardware.gpus}]", tags=["setup"])
 def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentReport, Plan]:
     """Probe the machine, publish the report, and check the config against it (all problems at once)."""
     env = run_probe(run_dir / "work")

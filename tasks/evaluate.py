@@ -171,7 +171,8 @@ def _eval_key(context, parameters) -> str:
 
 
 @task(name="evaluate-adapter", cache_key_fn=_eval_key, persist_result=True, retries=1, retry_delay_seconds=10,
-      retry_condition_fn=retry_unless_user_error)
+      retry_condition_fn=retry_unless_user_error, tags=["evaluation", "device"],
+      task_run_name="evaluate-adapter[{cfg.run.name}: {cfg.eval.max_samples} samples, {plan.eval_attn}]")
 def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter_path: Path,
                      plan: Plan, gpus: GpuSelection) -> EvalReport:
     """Score base and base + adapter; publish the comparison table (artifact key `eval-metrics`)."""

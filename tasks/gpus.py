@@ -108,7 +108,7 @@ def read_inventory() -> list[GpuInfo]:
         pynvml.nvmlShutdown()
 
 
-@task(name="select-gpus", task_run_name="select-gpus[{spec}]")
+@task(name="select-gpus", task_run_name="select-gpus[{spec}]", tags=["setup"])
 def select_gpus(spec: str, inventory: list[GpuInfo]) -> GpuSelection:
     """Pick GPUs (fresh free-memory readings for `auto:N`) and log the choice."""
     from tasks.launcher import run_logger

@@ -96,7 +96,8 @@ def _quantize_key(context, parameters) -> str:
 
 
 @task(name="quantize-base-model", cache_key_fn=_quantize_key, persist_result=True, retries=1,
-      retry_delay_seconds=10, retry_condition_fn=retry_unless_user_error)
+      retry_delay_seconds=10, retry_condition_fn=retry_unless_user_error,
+      task_run_name="quantize-base-model[{cfg.model.source}]", tags=["model", "device"])
 def quantize_base_model(cfg: FinetuneConfig, plan: Plan, gpus: GpuSelection, run_dir: Path) -> QuantizedModel:
     """Quantize (or reuse) the 4-bit base checkpoint; report its memory footprint."""
     fingerprint = quantize_fingerprint(cfg, plan)

@@ -238,7 +238,8 @@ def _train_key(context, parameters) -> str:
     return "adapter-" + train_fingerprint(p["cfg"], p["data"], p["base"], p["plan"])
 
 
-@task(name="train-adapter", cache_key_fn=_train_key, persist_result=True, retry_condition_fn=retry_unless_user_error)
+@task(name="train-adapter", cache_key_fn=_train_key, persist_result=True, retry_condition_fn=retry_unless_user_error,
+      task_run_name="train-adapter[{cfg.run.name}: {cfg.train.max_steps} steps]", tags=["training", "device"])
 def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan, gpus: GpuSelection,
                   run_dir: Path) -> TrainResult:
     """Launch torchrun with the selected GPUs; resume from the last checkpoint if an earlier attempt crashed."""
