@@ -25,6 +25,9 @@ help:
 	@echo "make test      - set up, then run the CPU test suite"
 	@echo "make test-gpu  - GPU tests (needs NVIDIA GPUs)"
 	@echo "make clean     - remove the virtualenv and run outputs"
+	@echo "make server    - Prefect server + UI on http://127.0.0.1:$(PREFECT_PORT) (deployments/README.md)"
+	@echo "make deploy    - work pool, this host's device limits, and the deployments in deployments/prefect.yaml"
+	@echo "make worker    - a process worker for the pool on this (GPU) host"
 
 setup: $(STAMP)
 
@@ -40,7 +43,7 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(PY) flows/finetune.py $(ARGS)
 
-test: setup
+test: setup test-deps
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-gpu: setup
@@ -48,3 +51,37 @@ test-gpu: setup
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# ---------------------------------------------------------------- Prefect server, deployments, worker
+# deployments/README.md walks through these. PREFECT_API_URL (env) points them at another server.
+PREFECT := $(VENV)/bin/prefect
+PREFECT_HOST ?= 127.0.0.1
+PREFECT_PORT ?= 4200
+# The work pool that deployments/prefect.yaml names.
+POOL := finetune-gpu
+server pool limits deploy worker: export PREFECT_API_URL ?= http://127.0.0.1:$(PREFECT_PORT)/api
+
+.PHONY: server pool limits deploy worker test-deps
+
+# The embedded SQLite database lives in $$PREFECT_HOME (~/.prefect); PREFECT_SERVER_DATABASE_CONNECTION_URL
+# selects PostgreSQL instead.
+server: setup
+	$(PREFECT) server start --host $(PREFECT_HOST) --port $(PREFECT_PORT)
+
+pool: setup
+	$(PREFECT) work-pool inspect $(POOL) >/dev/null 2>&1 || $(PREFECT) work-pool create $(POOL) --type process
+
+# One global concurrency limit (one slot) per GPU of this host, plus its CPU slot.
+limits: setup
+	$(PY) -m tasks.concurrency
+
+deploy: pool limits
+	$(PREFECT) --no-prompt deploy --all --prefect-file deployments/prefect.yaml
+
+# Flow runs execute in this checkout (the pull step in deployments/prefect.yaml reads FINETUNE_FLOWS_ROOT).
+worker: pool limits
+	FINETUNE_FLOWS_ROOT=$(CURDIR) $(PREFECT) worker start --pool $(POOL) --type process --name $(POOL)-$$(hostname)
+
+# The deployment tests drive the Prefect UI in headless Chromium (Debian's package; CI runs as root).
+test-deps:
+	@command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium)
