@@ -1,0 +1,231 @@
+"""A real Prefect stack for the deployment tests: server, `make deploy`, `make worker`, runs, logs, Chromium.
+
+Everything runs as the README says (the make targets, `prefect deployment run`), against a server on a free
+127.0.0.1 port with its own PREFECT_HOME, and is torn down (every process this module started) at the end.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+PREFECT = str(VENV_BIN / "prefect")
+STAMP = ".venv/.installed"  # `make -o` it: the suite runs inside `make test`, after setup
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (from /proc), including those that started their own session."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """Terminate a process started with start_new_session=True, its group, and everything it spawned."""
+    pids = [proc.pid, *_descendants(proc.pid)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for send, target in ((os.killpg, proc.pid), *((os.kill, pid) for pid in pids)):
+            try:
+                send(target, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + grace
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            proc.poll()
+            time.sleep(0.2)
+        if not any(_alive(pid) for pid in pids):
+            break
+    proc.wait(timeout=grace)
+
+
+class PrefectStack:
+    """A Prefect server on 127.0.0.1:<free port> with its own home, and a worker for the deployments' pool."""
+
+    def __init__(self, home: Path, logs: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_url = f"{self.url}/api"
+        self.logs = logs
+        logs.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("PREFECT_") and k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+        env.update(
+            PREFECT_HOME=str(home), PREFECT_API_URL=self.api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            # Runs are triggered by the tests; the nightly schedule must not start a demo-sized run meanwhile.
+            PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED="false",
+            # A queued run re-polls a busy device limit at most this often (server default: 30 s).
+            PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS="5",
+            PREFECT_WORKER_QUERY_SECONDS="2", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+            PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        )
+        self.env = env
+        self.procs: list[subprocess.Popen] = []
+
+    def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
+        out = open(self.logs / f"{name}.log", "w")
+        proc = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def start_server(self, timeout: float = 120) -> None:
+        proc = self._spawn([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)], "server")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited:\n{(self.logs / 'server.log').read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"prefect server not healthy after {timeout} s")
+
+    def make(self, *targets: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return self.run(["make", "-o", STAMP, *targets], timeout=timeout)
+
+    def run(self, argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+        result = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if result.returncode != 0:
+            raise AssertionError(f"{' '.join(argv)} exited {result.returncode}:\n{result.stdout[-3000:]}\n"
+                                 f"{result.stderr[-3000:]}")
+        return result
+
+    def start_worker(self) -> None:
+        self._spawn(["make", "-o", STAMP, "worker"], "worker")
+
+    def deployment_run(self, name: str, **params: Any) -> str:
+        """`prefect deployment run NAME --param k=<json>`; returns the new flow run's id."""
+        argv = [PREFECT, "deployment", "run", name]
+        for key, value in params.items():
+            argv += ["--param", f"{key}={json.dumps(value)}"]
+        out = self.run(argv).stdout
+        match = re.search(r"UUID: ([0-9a-f-]{36})", out)
+        assert match, f"no flow run id in the output of {' '.join(argv)}:\n{out}"
+        return match.group(1)
+
+    @contextmanager
+    def client(self) -> Iterator[Any]:
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: self.api_url}), get_client(sync_client=True) as client:
+            yield client
+
+    def wait_for(self, flow_run_ids: list[str], timeout: float) -> dict[str, Any]:
+        """Poll until every flow run is terminal; return {id: flow run}."""
+        from uuid import UUID
+
+        deadline = time.monotonic() + timeout
+        with self.client() as client:
+            while True:
+                runs = {i: client.read_flow_run(UUID(i)) for i in flow_run_ids}
+                if all(r.state and r.state.type.value in TERMINAL for r in runs.values()):
+                    return runs
+                if time.monotonic() > deadline:
+                    states = {i: r.state.type.value if r.state else None for i, r in runs.items()}
+                    raise TimeoutError(f"flow runs not finished after {timeout} s: {states}\n"
+                                       f"worker log:\n{(self.logs / 'worker.log').read_text()[-4000:]}")
+                time.sleep(2)
+
+    def logs_of(self, flow_run_id: str) -> list[Any]:
+        from uuid import UUID
+
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        logs: list[Any] = []
+        with self.client() as client:
+            while True:
+                page = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(flow_run_id)])),
+                                        limit=200, offset=len(logs))
+                logs += page
+                if len(page) < 200:
+                    return logs
+
+    def artifacts_of(self, flow_run_id: str) -> dict[str, Any]:
+        """{key: artifact} of a flow run (the latest of each key)."""
+        from uuid import UUID
+
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+        with self.client() as client:
+            found = client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run_id)])))
+        return {a.key: a for a in sorted(found, key=lambda a: a.created)}
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):  # the worker first, then the server
+            stop(proc)
+
+
+# ---------------------------------------------------------------- the UI in headless Chromium
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-dev-shm-usage", "--virtual-time-budget=20000"]
+
+
+def chromium(url: str, profile: Path, *mode: str, window: str = "1400,1000", timeout: float = 90) -> str:
+    """Load url in headless Chromium (fresh profile) with `--dump-dom` or `--screenshot=PATH`; return stdout."""
+    if shutil.which("chromium") is None:
+        raise AssertionError("chromium is not installed: `make test-deps` installs Debian's package")
+    profile.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["chromium", *CHROMIUM_FLAGS, f"--window-size={window}", f"--user-data-dir={profile}",
+                             *mode, url], capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"chromium exited {result.returncode} on {url}:\n{result.stderr[-2000:]}")
+    return result.stdout
+
+
+def visible_text(dom: str) -> str:
+    dom = re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S)
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))).strip()
+
+
+def table_rows(dom: str) -> list[list[str]]:
+    """The rendered <table> rows of a page, as the text of their cells."""
+    rows = []
+    for row in re.findall(r"<tr\b.*?</tr>", dom, flags=re.S):
+        cells = [visible_text(c) for c in re.findall(r"<t[dh]\b.*?</t[dh]>", row, flags=re.S)]
+        if cells:
+            rows.append(cells)
+    return rows

@@ -1,0 +1,230 @@
+"""deployments/prefect.yaml for real: server, `make deploy`, `make worker`, `prefect deployment run`, the UI.
+
+One Prefect stack serves the module (tests/deploy_support.py). Two on-demand runs start together on one host
+whose device (the CPU here) has a one-slot limit, so their training and evaluation must take turns; then the
+evaluation-only deployment scores the adapter one of them produced; then headless Chromium opens the UI.
+Screenshots land in test-outputs/.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy_support import ROOT, PrefectStack, chromium, table_rows, visible_text
+
+pytestmark = pytest.mark.slow
+
+PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
+OUTPUTS = ROOT / "test-outputs"
+HOST_SLOT = f"device-{socket.gethostname().replace('.', '-')}-cpu"
+ARTIFACT_KEYS = {"environment-report", "train-progress", "train-loss", "step-cache", "adapter-location",
+                 "run-summary", "eval-metrics", "eval-samples"}
+
+
+def tiny_overrides(tmp: Path, seed: int) -> list[str]:
+    """The on-demand deployment's demo config, shrunk to the generated 2-layer model (no download)."""
+    return ["model.source=generated:tiny-llama", "data.builtin_examples=120", "data.max_length=128",
+            "train.max_steps=4", "train.save_steps=2", "train.logging_steps=1", "train.per_device_batch_size=4",
+            f"train.seed={seed}", "eval.max_samples=8", "eval.max_new_tokens=6", "eval.batch_size=8",
+            "hardware.gpus=cpu", "run.name=tiny", f"run.cache_dir={tmp / 'cache'}", f"run.output_dir={tmp / 'runs'}"]
+
+
+def table_data(artifact) -> list[dict]:
+    return json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+
+
+def deployments() -> list[dict]:
+    return yaml.safe_load(PREFECT_FILE.read_text())["deployments"]
+
+
+# ---------------------------------------------------------------- the YAML itself (no server)
+
+
+@pytest.mark.parametrize("deployment", deployments(), ids=lambda d: d["name"])
+def test_deployment_parameters_validate_against_the_config_model(deployment):
+    import inspect
+
+    from prefect.flows import load_flow_from_entrypoint
+
+    from tasks.config import load_config
+
+    flow = load_flow_from_entrypoint(str(ROOT / deployment["entrypoint"]))
+    signature = inspect.signature(flow.fn)
+    params = deployment.get("parameters", {})
+    assert set(params) <= set(signature.parameters), f"unknown parameters {set(params) - set(signature.parameters)}"
+    config = params.get("config", signature.parameters["config"].default)
+    cfg = load_config(ROOT / config if config else None, params.get("overrides"))
+    if config:
+        data = cfg.data.source
+        assert data.startswith(("builtin:", "hub:")) or (ROOT / data).is_file(), f"{config} trains on missing {data}"
+    assert deployment["work_pool"]["name"] == "finetune-gpu"
+    required = {n for n, p in signature.parameters.items() if p.default is inspect.Parameter.empty}
+    assert required <= set(params) | {"adapter"}, "only the adapter to evaluate may be left to the caller"
+
+
+def test_nightly_deployment_is_scheduled_with_a_timezone_and_names_its_data():
+    nightly = next(d for d in deployments() if d["name"] == "nightly")
+    (schedule,) = nightly["schedules"]
+    assert len(schedule["cron"].split()) == 5 and schedule["timezone"] and schedule["active"] is True
+    from tasks.config import load_config
+
+    assert load_config(ROOT / nightly["parameters"]["config"]).data.source == "data/nightly-tickets.jsonl"
+
+
+def test_evaluate_refuses_a_directory_that_is_not_an_adapter(tmp_path, capsys):
+    from flows.evaluate import main
+    from tasks.adapters import AdapterError, check_adapter_dir
+
+    with pytest.raises(AdapterError, match="adapter directory not found"):
+        check_adapter_dir(tmp_path / "nope")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(AdapterError, match="no adapter_config.json, no adapter_model.safetensors"):
+        check_adapter_dir(tmp_path)
+    assert main(["--adapter", str(tmp_path)]) == 2  # before any Prefect run or model load
+    assert "not a PEFT adapter directory" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the real stack
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prefect-stack")
+    s = PrefectStack(home=tmp / "home", logs=tmp / "logs")
+    try:
+        s.start_server()
+        s.make("deploy")
+        s.start_worker()
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def two_runs(stack, tmp_path_factory):
+    """Two on-demand runs triggered at once with `prefect deployment run`, each with its own cache."""
+    tmps = [tmp_path_factory.mktemp(f"run{i}") for i in (1, 2)]
+    ids = [stack.deployment_run("finetune/on-demand", overrides=tiny_overrides(t, seed=i))
+           for i, t in enumerate(tmps, 1)]
+    runs = stack.wait_for(ids, timeout=420)
+    return [(i, runs[i], t) for i, t in zip(ids, tmps)]
+
+
+def test_deploy_creates_pool_deployments_and_device_limits(stack):
+    with stack.client() as client:
+        assert client.read_work_pool("finetune-gpu").type == "process"
+        deps = {f"{client.read_flow(d.flow_id).name}/{d.name}": d for d in client.read_deployments()}
+        limit = client.read_global_concurrency_limit_by_name(HOST_SLOT)
+    assert set(deps) == {"finetune/on-demand", "finetune/nightly", "evaluate/existing-adapter"}
+    nightly = deps["finetune/nightly"]
+    (schedule,) = nightly.schedules
+    assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == ("30 1 * * *", "Europe/Berlin",
+                                                                                     True)
+    assert nightly.parameters == {"config": "configs/nightly.yaml", "overrides": []}
+    assert nightly.job_variables["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert limit.limit == 1
+
+
+def test_device_limits_are_created_idempotently(stack):
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+    argv = [sys.executable, "-m", "tasks.concurrency", "--gpus", "0,1", "--host", "other.host"]
+    stack.run(argv)
+    with stack.client() as client:
+        client.update_global_concurrency_limit("device-other-host-gpu1", GlobalConcurrencyLimitUpdate(limit=3))
+    out = stack.run(argv).stdout
+    with stack.client() as client:
+        limits = {n: client.read_global_concurrency_limit_by_name(n).limit
+                  for n in ("device-other-host-gpu0", "device-other-host-gpu1", "device-other-host-cpu")}
+    assert limits == dict.fromkeys(limits, 1), out
+
+
+def test_on_demand_runs_complete_with_their_artifacts(stack, two_runs):
+    for flow_run_id, run, _ in two_runs:
+        assert run.state.type.value == "COMPLETED", (run.state.message, stack.logs_of(flow_run_id)[-20:])
+        assert run.name == "tiny/tiny-llama"
+        assert {"finetune", "on-demand"} <= set(run.tags)
+        artifacts = stack.artifacts_of(flow_run_id)
+        assert ARTIFACT_KEYS <= set(artifacts), sorted(artifacts)
+        assert artifacts["train-progress"].data == 100
+        assert [row["model"] for row in table_data(artifacts["eval-metrics"])] == ["base", "base + adapter"]
+        assert {artifacts[k].type for k in ("environment-report", "run-summary", "eval-samples")} == {"markdown"}
+
+
+def _slot_events(stack, flow_run_id):
+    """(time, task run, what) for each device-slot and device-job log line of a flow run."""
+    events = []
+    for log in stack.logs_of(flow_run_id):
+        m = re.match(r"(waiting for|acquired|releasing) device slot\(s\) (\S+)|starting (train|evaluate) worker",
+                     log.message)
+        if m:
+            events.append((log.timestamp, log.task_run_id, m.group(1) or f"start {m.group(3)}", log.message))
+    return events
+
+
+def test_device_slot_makes_the_two_runs_take_turns(stack, two_runs):
+    holds, starts, waited = [], [], []
+    for flow_run_id, _, _ in two_runs:
+        acquired = {}
+        for when, task_run, what, message in _slot_events(stack, flow_run_id):
+            if what == "acquired":
+                assert HOST_SLOT in message
+                acquired[task_run] = when
+                waited.append(float(re.search(r"after waiting ([0-9.]+) s", message).group(1)))
+            elif what == "releasing":
+                holds.append((acquired.pop(task_run), when, flow_run_id))
+            elif what.startswith("start"):
+                starts.append((when, task_run, flow_run_id))
+    assert len(holds) == 4, "training and evaluation of both runs each hold the device slot"
+    holds.sort()
+    for (_, end, a), (start, _, b) in zip(holds, holds[1:]):
+        assert end <= start, f"device held by {a} until {end} and by {b} from {start}: overlap"
+    for when, _, flow_run_id in starts:  # every device job started while its run held the slot
+        assert any(s <= when <= e and r == flow_run_id for s, e, r in holds)
+    assert max(waited) > 1.0, f"the runs never queued for the device (waits {waited}): the test proved nothing"
+
+
+def test_evaluation_only_deployment_scores_an_existing_adapter(stack, two_runs):
+    _, _, tmp = two_runs[0]
+    (adapter,) = (tmp / "runs").glob("tiny-2*/adapter")  # runs/<run>/adapter, beside config.resolved.yaml
+    flow_run_id = stack.deployment_run("evaluate/existing-adapter", adapter=str(adapter),
+                                       overrides=["eval.max_samples=4"])
+    run = stack.wait_for([flow_run_id], timeout=240)[flow_run_id]
+    assert run.state.type.value == "COMPLETED", (run.state.message, stack.logs_of(flow_run_id)[-20:])
+    assert run.name == f"tiny/tiny-llama eval {adapter.parent.name}"
+    artifacts = stack.artifacts_of(flow_run_id)
+    assert {"environment-report", "eval-metrics", "eval-samples", "adapter-location", "run-summary"} <= set(artifacts)
+    assert "train-loss" not in artifacts
+    messages = [log.message for log in stack.logs_of(flow_run_id)]
+    assert any(m.startswith("starting evaluate worker") for m in messages), "the adapter was not evaluated anew"
+    (eval_dir,) = (tmp / "runs").glob("tiny-eval-*")
+    assert (eval_dir / "evaluation.json").is_file() and (eval_dir / "eval.json").is_file()
+
+
+def test_ui_shows_the_run_and_its_eval_table(stack, two_runs, tmp_path):
+    flow_run_id, run, _ = two_runs[0]
+    eval_metrics = stack.artifacts_of(flow_run_id)["eval-metrics"]
+    OUTPUTS.mkdir(exist_ok=True)
+
+    run_page = f"{stack.url}/v2/runs/flow-run/{flow_run_id}?tab=Artifacts"
+    text = visible_text(chromium(run_page, tmp_path / "p1", "--dump-dom"))
+    assert run.name in text and "Completed" in text
+    assert all(key in text for key in ARTIFACT_KEYS), text[:3000]
+    chromium(run_page, tmp_path / "p2", f"--screenshot={OUTPUTS / 'prefect-ui-flow-run-artifacts.png'}",
+             window="1400,1500")  # tall enough for every artifact card
+
+    artifact_page = f"{stack.url}/v2/artifacts/artifact/{eval_metrics.id}"
+    rows = table_rows(chromium(artifact_page, tmp_path / "p3", "--dump-dom"))
+    assert rows[0][:2] == ["model", "eval loss"], rows
+    for want in table_data(eval_metrics):  # the table as rendered: model name and eval loss of each row
+        assert [want["model"], str(want["eval loss"])] in [r[:2] for r in rows[1:]], rows
+    shot = OUTPUTS / "prefect-ui-eval-metrics.png"
+    chromium(artifact_page, tmp_path / "p4", f"--screenshot={shot}")
+    assert shot.stat().st_size > 20_000
