@@ -31,7 +31,7 @@ DEFAULT_CONFIG = "configs/demo.yaml"
 
 
 @flow(name="finetune", flow_run_name=flow_run_name, log_prints=True)
-def finetune(config: str = DEFAULT_CONFIG, overrides: list[str] | None = None) -> FinetuneResult:
+def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = None) -> FinetuneResult:
     cfg = load_config(config, overrides)
     check_model_source(cfg.model.source)
     run_dir = create_run_dir(cfg)

@@ -140,10 +140,15 @@ class HardwareConfig(Section):
         ),
     )
 
-    @field_validator("gpus")
+    cpu_processes: int = Field(
+        1, ge=1, le=64, description="Training ranks when no GPU is selected (DDP over gloo); GPU runs use one rank "
+        "per selected GPU."
+    )
+
+    @field_validator("gpus", mode="before")
     @classmethod
-    def _gpus(cls, v: str) -> str:
-        v = v.replace(" ", "")
+    def _gpus(cls, v: object) -> str:
+        v = str(v).replace(" ", "")  # YAML reads `gpus: 0` as a number
         if not GPU_SPEC.match(v):
             raise ValueError("expected `auto`, `auto:N`, `cpu` or comma-separated GPU ids such as `2,0`")
         ids = v.split(",")

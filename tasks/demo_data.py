@@ -10,9 +10,9 @@ from __future__ import annotations
 import random
 from typing import Iterator
 
-SYSTEM = "You triage support tickets. Answer only with team/priority."
-INSTRUCTION = ("Route this ticket to a team (billing, shipping, account, technical) and set its priority "
-               "(low, normal, high).\nTicket: {ticket}")
+SYSTEM = ("Triage the support ticket. Teams: billing, shipping, account, technical. Priorities: low, normal, high. "
+          "Reply only team/priority.")
+INSTRUCTION = "Ticket: {ticket}"
 
 PROBLEMS = {
     "billing": ["I was charged twice for order {n}", "my invoice {n} shows the wrong amount",

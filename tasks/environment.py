@@ -152,7 +152,7 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
     compute = cfg.quantization.compute_dtype
     if compute == "auto":
         compute = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[p]
-    if compute == "bfloat16" and no_bf16:
+    elif compute == "bfloat16" and no_bf16:
         problems.append(f"quantization.compute_dtype=bfloat16, but GPU {no_bf16[0].index} ({no_bf16[0].name}) "
                         "has no bf16")
 
@@ -187,7 +187,8 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
         problems.append(f"data.source={cfg.data.source} needs the Hugging Face Hub, which is unreachable")
     if problems:
         raise EnvironmentMismatch(problems, "config vs environment")
-    return Plan(device=selection.device_type, gpu_ids=selection.ids, nproc=selection.nproc, precision=p,
+    nproc = len(selection.ids) if on_gpu else cfg.hardware.cpu_processes
+    return Plan(device=selection.device_type, gpu_ids=selection.ids, nproc=nproc, precision=p,
                 compute_dtype=compute, train_attn=train_attn, eval_attn=eval_attn)
 
 

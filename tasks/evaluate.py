@@ -15,6 +15,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
+from tasks.concurrency import device_slots
 from tasks.config import FinetuneConfig
 from tasks.dataset import IGNORE_INDEX, PreparedDataset, load_split
 from tasks.environment import Plan
@@ -181,7 +182,8 @@ def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: Quantized
     if not out.is_file():
         job = write_job(out.parent, "evaluate", config=cfg.model_dump(mode="json"), plan=plan.model_dump(),
                         base=str(base.path), data=str(data.path), adapter=str(adapter_path), out=str(out))
-        run_worker("evaluate", python_module("tasks.evaluate", job), gpus.env, out.parent)
+        with device_slots(gpus.ids):
+            run_worker("evaluate", python_module("tasks.evaluate", job), gpus.env, out.parent)
     report = EvalReport.model_validate_json(out.read_text())
     run_logger().info("eval (%s): base %s=%s loss=%.4f | adapter %s=%s loss=%.4f", report.attn_implementation,
                       report.metric, report.base.generation_score, report.base.loss, report.metric,

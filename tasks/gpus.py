@@ -33,10 +33,6 @@ class GpuSelection(BaseModel):
         return "cuda" if self.ids else "cpu"
 
     @property
-    def nproc(self) -> int:
-        return max(1, len(self.ids))
-
-    @property
     def env(self) -> dict[str, str]:
         # PCI_BUS_ID makes CUDA number devices as nvidia-smi does; an empty list hides every GPU (CPU run).
         return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, self.ids))}

@@ -39,6 +39,7 @@ def worker_env(gpu_env: dict[str, str]) -> dict[str, str]:
     env.update(gpu_env)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("TQDM_DISABLE", "1")  # progress comes back as events, not bars
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
     return env
 

@@ -18,6 +18,7 @@ from typing import Any
 from prefect import task
 from pydantic import BaseModel
 
+from tasks.concurrency import device_slots
 from tasks.config import FinetuneConfig
 from tasks.dataset import IGNORE_INDEX, PreparedDataset, load_split
 from tasks.environment import Plan
@@ -43,6 +44,9 @@ class TrainResult(BaseModel):
     train_seconds: float
     peak_memory_mb: float  # max over ranks: CUDA max allocated, or process max RSS on CPU
     resumed_from_step: int | None
+    backend: str | None = None  # torch.distributed backend (nccl on GPUs, gloo on the CPU)
+    rank_steps: list[int] = []  # optimizer steps each rank finished (equal under DDP)
+    devices: list[str] = []  # device name per rank
 
     def is_complete(self) -> bool:
         return (self.adapter_path / "adapter_config.json").is_file()
@@ -102,9 +106,20 @@ def _callback(max_steps_hint: int, collator: PadCollator, started: float):
 
 
 def _last_checkpoint(ckpt_dir: Path) -> Path | None:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    return Path(found) if ckpt_dir.is_dir() and (found := get_last_checkpoint(str(ckpt_dir))) else None
+    """The newest *complete* checkpoint. A crash during a save leaves a directory without trainer_state.json
+    (the Trainer writes it last); such leftovers are removed so the Trainer can write that step again."""
+    if not ckpt_dir.is_dir():
+        return None
+    candidates = sorted((p for p in ckpt_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                        key=lambda p: int(p.name.split("-")[-1]), reverse=True)
+    for path in candidates:
+        try:
+            json.loads((path / "trainer_state.json").read_text())
+            return path
+        except (OSError, json.JSONDecodeError):
+            print(f"removing incomplete checkpoint {path.name} (interrupted while saving)", flush=True)
+            shutil.rmtree(path, ignore_errors=True)
+    return None
 
 
 def _train(job: dict) -> dict | None:
@@ -119,6 +134,9 @@ def _train(job: dict) -> dict | None:
     out = Path(job["out"])
     base_path, data_path = Path(job["base"]), Path(job["data"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank = int(os.environ.get("RANK", 0))
+    (out / "ranks").mkdir(parents=True, exist_ok=True)
+    (out / "ranks" / f"rank-{rank}.pid").write_text(str(os.getpid()))  # lets an operator (or a test) find a rank
     on_gpu = plan.device == "cuda" and torch.cuda.is_available()
     if plan.device == "cuda" and not on_gpu:
         raise RuntimeError("the plan selects GPUs but this worker sees no CUDA device")
@@ -176,8 +194,18 @@ def _train(job: dict) -> dict | None:
         dist.all_reduce(tokens, op=dist.ReduceOp.SUM)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         stats[0] = tokens[0]
+    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+    (out / "ranks" / f"rank-{rank}.json").write_text(json.dumps({
+        "rank": rank, "world_size": world, "global_step": trainer.state.global_step, "backend": backend,
+        "device": str(next(model.parameters()).device),
+        "device_name": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "tokens": collator.tokens,
+    }))
+    if backend is not None:
+        dist.barrier()  # every rank's record is on disk before rank 0 reads them
     if not trainer.is_world_process_zero():
         return None
+    ranks = [json.loads((out / "ranks" / f"rank-{r}.json").read_text()) for r in range(world)]
 
     adapter = out / "adapter"
     if adapter.exists():
@@ -192,6 +220,7 @@ def _train(job: dict) -> dict | None:
         first_loss=curve[0][1], final_loss=curve[-1][1], tokens_per_second=round(total_tokens / seconds, 1),
         train_tokens=total_tokens, train_seconds=round(seconds, 2), peak_memory_mb=round(float(stats[1]), 1),
         resumed_from_step=int(resume.name.split("-")[-1]) if resume else None,
+        backend=backend, rank_steps=[r["global_step"] for r in ranks], devices=[r["device_name"] for r in ranks],
     )
     (out / "train_metrics.json").write_text(json.dumps(result, indent=2))
     print(f"trained {result['steps']} steps on {world} {plan.device} rank(s): loss {result['first_loss']:.4f} -> "
@@ -255,7 +284,8 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
                         base=str(base.path), data=str(data.path), load_in_4bit=base.load_in_4bit,
                         fingerprint=fingerprint)
         argv = torchrun_module("tasks.train", job, plan.nproc)
-        run_worker("train", argv, gpus.env, out, on_event=ProgressReporter(cfg.train.max_steps))
+        with device_slots(gpus.ids):
+            run_worker("train", argv, gpus.env, out, on_event=ProgressReporter(cfg.train.max_steps))
     return TrainResult.model_validate_json(metrics.read_text())
 
 

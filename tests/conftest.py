@@ -1,0 +1,57 @@
+"""Test session set-up: offline Hub, Prefect state in a temp dir, one Prefect test server for the session."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="finetune-flows-tests-"))
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect-home")
+os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(_SESSION_TMP / "prefect-storage")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
+# A shared cache for the generated tiny model and tokenizer, so tests build them once.
+os.environ["FINETUNE_FLOWS_TEST_CACHE"] = str(_SESSION_TMP / "cache")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One real (temporary, SQLite) Prefect server for every test that runs flows."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def shared_cache() -> Path:
+    return Path(os.environ["FINETUNE_FLOWS_TEST_CACHE"])
+
+
+def tiny_overrides(cache: Path, runs: Path, **extra: object) -> list[str]:
+    """A tiny generated model on the built-in task: the whole pipeline in seconds on a CPU."""
+    base = {
+        "model.source": "generated:tiny-llama",
+        "data.builtin_examples": 120,
+        "data.max_length": 128,
+        "train.max_steps": 6,
+        "train.save_steps": 3,
+        "train.logging_steps": 1,
+        "train.per_device_batch_size": 4,
+        "train.learning_rate": 1e-3,
+        "train.retry_delay_seconds": 0,
+        "eval.max_samples": 8,
+        "eval.max_new_tokens": 6,
+        "eval.batch_size": 8,
+        "run.name": "tiny",
+        "run.cache_dir": str(cache),
+        "run.output_dir": str(runs),
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]

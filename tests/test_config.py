@@ -1,0 +1,104 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks.config import FinetuneConfig, config_reference, load_config
+from tasks.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path: Path, data: dict) -> Path:
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_defaults_are_the_demo():
+    cfg = load_config(None)
+    assert cfg.model.source == "builtin:smollm2-135m-instruct"
+    assert cfg.data.source == "builtin:ticket-triage"
+    assert cfg.quantization.load_in_4bit and cfg.quantization.quant_type == "nf4"
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    path = write(tmp_path, {
+        "model": {"sorce": "x"},  # typo: unknown key
+        "train": {"learning_rate": "fast", "max_steps": 10},  # wrong type
+        "hardware": {"gpus": "two"},  # bad spec
+        "lora": {"r": 0},  # out of range
+        "bogus": {},  # unknown section
+    })
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert str(path) in text
+    for needle in ("model.sorce: unknown key", "train.learning_rate", "hardware.gpus", "lora.r", "bogus: unknown key"):
+        assert needle in text
+    assert len(info.value.problems) == 5
+
+
+def test_overrides_are_typed_and_nested(tmp_path):
+    cfg = load_config(REPO / "configs/demo.yaml",
+                      ["train.learning_rate=1e-4", "lora.target_modules=[q_proj, v_proj]", "train.max_steps=30",
+                       "hardware.gpus=2,0", "data.max_samples=50"])
+    assert cfg.train.learning_rate == pytest.approx(1e-4)
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.hardware.gpus == "2,0"
+    assert cfg.data.max_samples == 50
+
+
+def test_override_errors_name_the_key():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(None, ["train.learning_rate"])
+    with pytest.raises(ConfigError, match="train.nope: unknown key"):
+        load_config(None, ["train.nope=1"])
+
+
+def test_impossible_combinations():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.save_steps=50", "train.max_steps=10", "train.precision=fp16",
+                           "quantization.compute_dtype=bfloat16"])
+    assert len(info.value.problems) == 2
+    assert "no checkpoint would be written" in str(info.value)
+
+
+@pytest.mark.parametrize("spec", ["auto", "auto:2", "cpu", "none", "0", "2,0", "0, 1"])
+def test_gpu_specs_accepted(spec):
+    assert load_config(None, [f"hardware.gpus={spec}"]).hardware.gpus == spec.replace(" ", "")
+
+
+@pytest.mark.parametrize("spec", ["auto:0", "gpu0", "1,1", "-1"])
+def test_gpu_specs_refused(spec):
+    with pytest.raises(ConfigError, match="hardware.gpus"):
+        load_config(None, [f"hardware.gpus='{spec}'"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates_and_says_how_to_run_it(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, FinetuneConfig)
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# ") and "python flows/" in first, "each config starts with the command that runs it"
+
+
+def test_reference_documents_every_key():
+    text = config_reference()
+    for section, model in FinetuneConfig.model_fields.items():
+        for key, field in model.annotation.model_fields.items():
+            assert f"{section}.{key} = " in text or f"{section}.{key}." in text
+            if not hasattr(field.annotation, "model_fields"):
+                assert field.description, f"{section}.{key} has no description"

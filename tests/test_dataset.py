@@ -1,0 +1,164 @@
+"""Reading, validating, formatting and loss masking, with the generated tokenizer (ChatML) and a template-less one."""
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from tasks.config import load_config
+from tasks.dataset import IGNORE_INDEX, build_dataset, load_split, normalize, read_rows, tokenize_example
+from tasks.errors import DataError
+from tasks.models import materialize_tokenizer
+
+ROWS = [{"prompt": f"Say {w}", "response": w.upper()} for w in ("red", "green", "blue", "cyan", "pink")] * 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(shared_cache):
+    return materialize_tokenizer("generated:tiny-llama", shared_cache)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def cfg_for(source, tmp_path, *extra):
+    return load_config(None, [f"data.source={source}", f"run.cache_dir={tmp_path}/cache", *extra])
+
+
+def trainable_text(tokenizer, enc):
+    return tokenizer.decode([t for t, lab in zip(enc["input_ids"], enc["labels"]) if lab != IGNORE_INDEX])
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
+def test_each_file_type_reads_the_same_rows(tmp_path, suffix):
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")
+    elif suffix == ".json":
+        path.write_text(json.dumps(ROWS))
+    elif suffix == ".csv":
+        path.write_text("prompt,response\n" + "\n".join(f"{r['prompt']},{r['response']}" for r in ROWS) + "\n")
+    else:
+        pq.write_table(pa.Table.from_pylist(ROWS), path)
+    cfg = cfg_for(path, tmp_path)
+    fmt, examples = normalize(read_rows(str(path), cfg.data), cfg.data, str(path))
+    assert fmt == "instruction" and len(examples) == len(ROWS)
+    assert examples[0] == [{"role": "user", "content": "Say red"}, {"role": "assistant", "content": "RED"}]
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": \n')
+    with pytest.raises(DataError, match=r"bad.jsonl line 2: not valid JSON"):
+        read_rows(str(path), cfg_for(path, tmp_path).data)
+
+
+def test_bad_rows_are_listed_with_their_lines(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": ""}, {"prompt": 3, "response": "d"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = cfg_for(path, tmp_path)
+    with pytest.raises(DataError) as info:
+        normalize(read_rows(str(path), cfg.data), cfg.data, str(path))
+    assert "2 malformed row(s)" in str(info.value)
+    assert "line 2: `response` must be non-empty text" in str(info.value)
+    assert "line 3: `prompt` must be non-empty text" in str(info.value)
+
+
+def test_missing_column_names_what_was_found(tmp_path):
+    path = tmp_path / "cols.csv"
+    path.write_text("question,answer\nhi,there\n")
+    cfg = cfg_for(path, tmp_path, "data.format=instruction")
+    with pytest.raises(DataError, match=r"needs column\(s\) prompt, response, found: answer, question"):
+        normalize(read_rows(str(path), cfg.data), cfg.data, str(path))
+    mapped = cfg_for(path, tmp_path, "data.columns.prompt=question", "data.columns.response=answer")
+    assert normalize(read_rows(str(path), mapped.data), mapped.data, str(path))[0] == "instruction"
+
+
+def test_unknown_layout_and_empty_and_missing_files(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"foo": 1}\n')
+    cfg = cfg_for(path, tmp_path)
+    with pytest.raises(DataError, match="cannot tell the format from the columns"):
+        normalize(read_rows(str(path), cfg.data), cfg.data, str(path))
+    path.write_text("\n")
+    with pytest.raises(DataError, match="the dataset is empty"):
+        normalize(read_rows(str(path), cfg.data), cfg.data, str(path))
+    with pytest.raises(DataError, match="data file not found"):
+        read_rows(str(tmp_path / "missing.jsonl"), cfg.data)
+    (tmp_path / "data.txt").write_text("hi")
+    with pytest.raises(DataError, match="unsupported file type .txt"):
+        read_rows(str(tmp_path / "data.txt"), cfg.data)
+
+
+def test_csv_row_with_extra_fields(tmp_path):
+    path = tmp_path / "extra.csv"
+    path.write_text("prompt,response\na,b\nc,d,e\n")
+    with pytest.raises(DataError, match="extra.csv line 3: more fields than the header"):
+        read_rows(str(path), cfg_for(path, tmp_path).data)
+
+
+def test_instruction_masks_the_prompt(tokenizer):
+    enc, truncated = tokenize_example(tokenizer, [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "Say red"},
+                                                  {"role": "assistant", "content": "RED"}], 512)
+    assert not truncated
+    assert trainable_text(tokenizer, enc) == "RED<|im_end|>\n"
+    assert tokenizer.decode(enc["input_ids"]).startswith("<|im_start|>system\nBe brief.")
+
+
+def test_multi_turn_chat_learns_every_assistant_turn_only(tokenizer):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "bye"}, {"role": "assistant", "content": "goodbye"}]
+    enc, _ = tokenize_example(tokenizer, messages, 512)
+    assert trainable_text(tokenizer, enc) == "hello<|im_end|>\ngoodbye<|im_end|>\n"
+
+
+def test_text_format_trains_on_everything(tokenizer):
+    enc, _ = tokenize_example(tokenizer, "plain text here", 512)
+    assert all(label != IGNORE_INDEX for label in enc["labels"])
+    assert tokenizer.decode(enc["input_ids"]) == "plain text here" + tokenizer.eos_token
+
+
+def test_without_chat_template_a_plain_layout_is_used(tokenizer_dir, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = None
+    enc, _ = tokenize_example(tok, [{"role": "user", "content": "Say red"}, {"role": "assistant", "content": "RED"}],
+                              512)
+    assert tok.decode(enc["input_ids"]).startswith("### Instruction:\nSay red\n\n### Response:\n")
+    assert trainable_text(tok, enc) == "RED" + tok.eos_token
+
+
+def test_truncation(tokenizer):
+    enc, truncated = tokenize_example(tokenizer, [{"role": "user", "content": "word " * 200},
+                                                  {"role": "assistant", "content": "answer"}], 32)
+    assert truncated and len(enc["input_ids"]) == 32
+    assert all(label == IGNORE_INDEX for label in enc["labels"])  # the answer fell off: build_dataset drops it
+
+
+def test_build_dataset_splits_and_saves(tmp_path, tokenizer_dir):
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"n{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(40)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = cfg_for(path, tmp_path, "data.eval_fraction=0.25")
+    out = tmp_path / "prepared"
+    result = build_dataset(cfg, tokenizer_dir, out)
+    assert (result.format, result.train_rows, result.eval_rows) == ("chat", 30, 10)
+    assert (out / "DONE").is_file() and len(load_split(out, "train")) == 30
+    prompts = [json.loads(line) for line in (out / "eval_prompts.jsonl").read_text().splitlines()]
+    assert len(prompts) == 10 and prompts[0]["prompt"].endswith("<|im_start|>assistant\n")
+    assert prompts[0]["reference"].startswith("a")
+
+
+def test_builtin_demo_task_is_deterministic():
+    from tasks.demo_data import ticket_triage
+
+    assert ticket_triage(50, seed=1) == ticket_triage(50, seed=1)
+    answers = {ex["response"] for ex in ticket_triage(400, seed=1)}
+    assert len(answers) == 12  # 4 teams x 3 priorities

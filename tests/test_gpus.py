@@ -1,0 +1,117 @@
+"""GPU selection and the config-vs-environment check, on injected GPU inventories (no GPU on this machine)."""
+
+import os
+
+import pytest
+
+from tasks.config import load_config
+from tasks.environment import EnvironmentReport, resolve_plan
+from tasks.errors import EnvironmentMismatch
+from tasks.gpus import GpuInfo, choose_gpu_ids, selection_for
+from tasks.launcher import worker_env
+
+
+def gpu(i, free, name="NVIDIA H200", cc=(9, 0), total=143771):
+    return GpuInfo(index=i, name=name, memory_total_mib=total, memory_free_mib=free, capability=cc)
+
+
+FOUR = [gpu(0, 1000), gpu(1, 90000), gpu(2, 50000), gpu(3, 90000)]
+
+
+def report(gpus, fa4=False, fa2=False, bnb="available"):
+    attention = {"eager": "available", "sdpa": "available",
+                 "flash_attention_2": "available" if fa2 else "flash-attn 2 not installed",
+                 "flash_attention_3": "flash-attn-3 not installed",
+                 "flash_attention_4": "available" if fa4 else "flash-attn-4 not installed",
+                 "hub_kernels": "kernels not installed"}
+    return EnvironmentReport(python="3.11", platform="linux", torch="2.13", cuda_available=bool(gpus),
+                             cuda_version="13.0" if gpus else None, driver_version=None, gpus=gpus, versions={},
+                             attention=attention, bitsandbytes_4bit=bnb, hub_reachable=False)
+
+
+def test_explicit_ids_keep_their_order_and_become_the_child_env():
+    sel = selection_for("2,0", FOUR)
+    assert sel.ids == [2, 0]
+    assert [g.index for g in sel.gpus] == [2, 0]
+    assert sel.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,0"}
+
+
+def test_auto_n_picks_most_free_memory_ties_by_id():
+    assert choose_gpu_ids("auto:1", FOUR) == [1]
+    assert choose_gpu_ids("auto:3", FOUR) == [1, 3, 2]
+
+
+def test_auto_uses_all_gpus_or_the_cpu():
+    assert choose_gpu_ids("auto", FOUR) == [0, 1, 2, 3]
+    sel = selection_for("auto", [])
+    assert sel.ids == [] and sel.device_type == "cpu"
+    assert sel.env["CUDA_VISIBLE_DEVICES"] == ""  # hides every GPU from a CPU run's children
+
+
+def test_cpu_spec_ignores_gpus():
+    assert choose_gpu_ids("cpu", FOUR) == []
+
+
+def test_too_many_or_missing_gpus_are_named():
+    with pytest.raises(EnvironmentMismatch, match=r"auto:5 asks for 5 GPU\(s\) but this machine has 4"):
+        choose_gpu_ids("auto:5", FOUR)
+    with pytest.raises(EnvironmentMismatch, match="no GPU with id 7, 9"):
+        choose_gpu_ids("1,7,9", FOUR)
+    with pytest.raises(EnvironmentMismatch, match="no GPUs"):
+        choose_gpu_ids("0", [])
+
+
+def test_worker_env_never_touches_our_own_environment():
+    before = dict(os.environ)
+    env = worker_env(selection_for("1,0", FOUR).env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,0"
+    assert dict(os.environ) == before
+
+
+def plan_for(overrides, gpus, **kw):
+    cfg = load_config(None, overrides)
+    return resolve_plan(cfg, report(gpus, **kw), selection_for(cfg.hardware.gpus, gpus))
+
+
+def test_precision_auto_follows_the_gpu():
+    assert plan_for(["hardware.gpus=0"], [gpu(0, 1, cc=(8, 0), name="A100")]).precision == "bf16"
+    t4 = plan_for(["hardware.gpus=0"], [gpu(0, 1, cc=(7, 5), name="Tesla T4")])
+    assert (t4.precision, t4.compute_dtype) == ("fp16", "float16")
+    cpu = plan_for(["hardware.gpus=cpu"], [])
+    assert (cpu.device, cpu.precision, cpu.compute_dtype, cpu.nproc) == ("cpu", "fp32", "float32", 1)
+
+
+def test_mixed_gpus_use_the_weakest():
+    mixed = [gpu(0, 1, cc=(9, 0)), gpu(1, 1, cc=(7, 5), name="Tesla T4")]
+    assert plan_for(["hardware.gpus=0,1"], mixed).precision == "fp16"
+
+
+def test_attention_auto_prefers_flash_attention_4_for_inference_on_hopper():
+    plan = plan_for(["hardware.gpus=auto:1"], [gpu(0, 1)], fa4=True)
+    assert plan.eval_attn == "flash_attention_4"
+    assert plan.train_attn == "sdpa"
+    assert plan_for(["hardware.gpus=auto:1"], [gpu(0, 1)], fa4=True, fa2=True).train_attn == "flash_attention_2"
+    assert plan_for(["hardware.gpus=cpu"], [], fa4=True).eval_attn == "sdpa"
+
+
+def test_every_mismatch_is_reported_together():
+    t4 = [gpu(0, 1, cc=(7, 5), name="Tesla T4")]
+    with pytest.raises(EnvironmentMismatch) as info:
+        plan_for(["hardware.gpus=0", "train.precision=bf16", "hardware.attn_implementation=flash_attention_4"], t4,
+                 bnb="bitsandbytes cannot be imported: no module")
+    text = str(info.value)
+    assert "GPU 0 (Tesla T4, compute capability 7.5) has no bf16" in text
+    assert "flash_attention_4 cannot run here" in text
+    assert "needs bitsandbytes" in text
+    assert len(info.value.problems) == 3
+
+
+def test_flash_attention_on_cpu_and_fp16_on_cpu_are_refused():
+    with pytest.raises(EnvironmentMismatch) as info:
+        plan_for(["hardware.gpus=cpu", "hardware.attn_implementation=flash_attention_2", "train.precision=fp16"], [])
+    assert "flash_attention_2 cannot run here" in str(info.value) and "fp16 needs a GPU" in str(info.value)
+
+
+def test_cpu_processes_set_the_rank_count_only_on_cpu():
+    assert plan_for(["hardware.gpus=cpu", "hardware.cpu_processes=2"], []).nproc == 2
+    assert plan_for(["hardware.gpus=0,1", "hardware.cpu_processes=4"], FOUR).nproc == 2

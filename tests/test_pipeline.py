@@ -1,0 +1,179 @@
+"""The real pipeline on a tiny generated model, through the real Prefect engine (one test server per session)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import tiny_overrides
+from flows.finetune import finetune, main
+from tasks.errors import DataError
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def first_run(prefect_server, shared_cache, tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    started = time.perf_counter()
+    result = finetune(None, tiny_overrides(shared_cache / "pipeline", runs))
+    return result, runs, time.perf_counter() - started
+
+
+def artifact_keys_of_latest_flow_run() -> set[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+        return {a.key for a in arts if a.key}
+
+
+def test_whole_flow_produces_an_evaluated_adapter(first_run):
+    result, runs, _ = first_run
+    run_dir = result.run_dir
+    assert run_dir.parent == runs
+    resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
+    assert resolved["model"]["source"] == "generated:tiny-llama" and resolved["train"]["max_steps"] == 6
+    assert (run_dir / "adapter" / "adapter_config.json").is_file()
+    assert (run_dir / "adapter" / "adapter_model.safetensors").stat().st_size > 0
+    assert "GPUs" in (run_dir / "environment.md").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["cached_steps"] == []
+    train = result.train
+    assert train.steps == 6 and train.world_size == 1 and train.device == "cpu"
+    assert len(train.loss_curve) == 6 and train.tokens_per_second > 0 and train.peak_memory_mb > 0
+    assert train.final_loss < train.first_loss  # lr 1e-3 on a fixed task: the loss must fall
+    report = result.eval
+    assert report.attn_implementation == "sdpa" and report.eval_rows == 12
+    assert report.base.generated == report.adapter.generated == 8
+    assert report.adapter.loss < report.base.loss  # the adapter learned something measurable on held-out rows
+    assert {"environment-report", "train-progress", "train-loss", "eval-metrics", "eval-samples",
+            "adapter-location", "run-summary", "step-cache"} <= artifact_keys_of_latest_flow_run()
+
+
+def test_second_identical_run_is_served_from_cache(first_run, shared_cache):
+    result, runs, first_seconds = first_run
+    started = time.perf_counter()
+    again = finetune(None, tiny_overrides(shared_cache / "pipeline", runs))
+    seconds = time.perf_counter() - started
+    assert again.cached_steps == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter"]
+    assert again.run_dir != result.run_dir and (result.run_dir / "summary.json").is_file()  # earlier run untouched
+    assert again.eval.adapter.loss == result.eval.adapter.loss
+    assert seconds < first_seconds / 2, (seconds, first_seconds)
+
+
+def test_changing_a_training_hyperparameter_retrains_only(first_run, shared_cache):
+    _, runs, _ = first_run
+    changed = finetune(None, tiny_overrides(shared_cache / "pipeline", runs, **{"train.learning_rate": 5e-4}))
+    assert changed.cached_steps == ["prepare-dataset", "quantize-base-model"]
+
+
+def test_deleted_cache_outputs_are_rebuilt_not_trusted(first_run, shared_cache):
+    import shutil
+
+    result, runs, _ = first_run
+    shutil.rmtree(Path(result.eval.path).parent)
+    again = finetune(None, tiny_overrides(shared_cache / "pipeline", runs))
+    assert "evaluate-adapter" not in again.cached_steps and Path(again.eval.path).is_file()
+
+
+def test_killed_training_resumes_from_its_checkpoint_on_retry(prefect_server, shared_cache, tmp_path):
+    """SIGKILL rank 0 after the first checkpoint; Prefect's retry must resume from it, not restart."""
+    overrides = tiny_overrides(shared_cache / "resume", tmp_path, **{
+        "train.max_steps": 30, "train.save_steps": 5, "train.logging_steps": 5, "train.retries": 1,
+        "train.save_total_limit": 20})
+    adapters = shared_cache / "resume" / "adapters"
+    killed: dict[str, int] = {}
+
+    def killer() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            for pid_file in adapters.glob("*/ranks/rank-0.pid") if adapters.exists() else []:
+                if list(pid_file.parent.parent.glob("checkpoints/checkpoint-*/trainer_state.json")):
+                    pid = int(pid_file.read_text())
+                    os.kill(pid, signal.SIGKILL)  # like the OOM killer: torchrun sees its rank die and fails
+                    killed["pid"] = pid
+                    return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    result = finetune(None, overrides)
+    thread.join(timeout=5)
+    assert killed, "the training process was never killed"
+    train = result.train
+    assert train.resumed_from_step is not None and 5 <= train.resumed_from_step < 30
+    assert train.steps == 30
+    log = (Path(train.output_dir) / "train.log").read_text()
+    assert f"resuming from checkpoint-{train.resumed_from_step}" in log
+    assert [s for s, _ in train.loss_curve][-1] == 30
+
+
+def test_two_process_torchrun_on_cpu(prefect_server, shared_cache, tmp_path):
+    result = finetune(None, tiny_overrides(shared_cache / "ddp", tmp_path, **{"hardware.cpu_processes": 2}))
+    train = result.train
+    assert train.world_size == 2 and train.steps == 6
+    log = (Path(train.output_dir) / "train.log").read_text()
+    assert "world_size=2" in log or "ranks: 2" in log or "on 2 cpu rank(s)" in log
+
+
+def test_bad_data_row_stops_before_any_model_is_loaded(prefect_server, shared_cache, tmp_path, first_run):
+    _, _, _ = first_run
+    data = tmp_path / "tickets.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c"}\n')
+    cache = tmp_path / "cache"
+    with pytest.raises(DataError, match=r"tickets.jsonl: 1 malformed row\(s\): line 2"):
+        finetune(None, tiny_overrides(cache, tmp_path / "runs", **{"data.source": str(data)}))
+    assert not (cache / "quantized").exists() and not (cache / "adapters").exists()
+
+
+def test_cli_reports_bad_input_in_one_message_and_exits_2(tmp_path, capsys):
+    not_a_model = tmp_path / "model"
+    not_a_model.mkdir()
+    assert main(["--set", f"model.source={not_a_model}"]) == 2
+    assert "directory without config.json" in capsys.readouterr().err
+    assert main(["--set", "train.lerning_rate=1", "--set", "data.eval_fraction=2"]) == 2
+    err = capsys.readouterr().err
+    assert "train.lerning_rate: unknown key" in err and "data.eval_fraction" in err
+
+
+def test_four_bit_checkpoint_loads_as_bitsandbytes_layers(first_run):
+    import bitsandbytes as bnb
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tasks.quantize import QuantizedModel
+
+    result, _, _ = first_run
+    quantized = [p for p in Path(result.train.output_dir).parent.parent.glob("quantized/*/quantization.json")]
+    assert quantized
+    q = QuantizedModel.model_validate_json(quantized[0].read_text())
+    assert q.load_in_4bit and q.linear4bit_layers == 14
+    model = AutoModelForCausalLM.from_pretrained(q.path, device_map={"": "cpu"}, dtype=torch.float32)
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 14
+    assert layers[0].weight.quant_state.quant_type == "nf4" and layers[0].weight.dtype == torch.uint8
+
+
+def test_resume_skips_a_checkpoint_left_half_written(tmp_path):
+    from tasks.train import _last_checkpoint
+
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / "checkpoint-5").mkdir(parents=True)
+    (ckpts / "checkpoint-5" / "trainer_state.json").write_text("{}")
+    (ckpts / "checkpoint-10").mkdir()  # killed while saving: weights maybe, no trainer_state.json
+    (ckpts / "checkpoint-10" / "adapter_model.safetensors").write_bytes(b"partial")
+    assert _last_checkpoint(ckpts) == ckpts / "checkpoint-5"
+    assert not (ckpts / "checkpoint-10").exists()
+    assert _last_checkpoint(tmp_path / "none") is None
