@@ -24,6 +24,7 @@ help:
 	@echo "make run       - set up, then fine-tune the built-in demo (configs/demo.yaml)"
 	@echo "make test      - set up, then run the CPU test suite"
 	@echo "make test-gpu  - GPU tests (needs NVIDIA GPUs)"
+	@echo "make gpu-proof - GPU tests + real flow runs on this GPU host, report in benchmarks/results/"
 	@echo "make clean     - remove the virtualenv and run outputs"
 	@echo "make server    - Prefect server + UI on http://127.0.0.1:$(PREFECT_PORT) (deployments/README.md)"
 	@echo "make deploy    - work pool, this host's device limits, and the deployments in deployments/prefect.yaml"
@@ -46,8 +47,17 @@ run: setup
 test: setup test-deps
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-gpu: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+# GPU hosts: GPU_PY=python3 runs with an interpreter that already has the stack (e.g. an offline GPU image)
+# instead of setting up .venv.
+GPU_PY ?= $(PY)
+GPU_SETUP := $(if $(filter $(PY),$(GPU_PY)),setup)
+
+test-gpu: $(GPU_SETUP)
+	HF_HUB_OFFLINE=1 $(GPU_PY) -m pytest -q -m gpu -rA $(PYTEST_ARGS)
+
+# GPU tests + real `finetune` flow runs on this host's GPUs; the report lands in benchmarks/results/.
+gpu-proof: $(GPU_SETUP)
+	HF_HUB_OFFLINE=1 $(GPU_PY) benchmarks/gpu_proof.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

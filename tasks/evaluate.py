@@ -44,6 +44,8 @@ class EvalReport(BaseModel):
     eval_rows: int
     samples: list[dict[str, str]]  # a few prompts with reference, base and adapter answers
     path: Path
+    references: list[str] = []
+    predictions: dict[str, list[str]] = {}  # model ("base"/"adapter") -> greedy answer per reference
 
     def is_complete(self) -> bool:
         return self.path.is_file()
@@ -148,7 +150,7 @@ def _evaluate(job: dict) -> dict:
     out = Path(job["out"])
     report = dict(base=scores["base"], adapter=scores["adapter"], metric=cfg.eval.metric,
                   attn_implementation=model.config._attn_implementation, device=str(device),
-                  eval_rows=len(dataset), samples=samples, path=str(out))
+                  eval_rows=len(dataset), samples=samples, path=str(out), references=references, predictions=answers)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     return report

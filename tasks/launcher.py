@@ -107,11 +107,9 @@ def emit_event(kind: str, **data: Any) -> None:
 
 def _quiet_progress_bars() -> None:
     """Progress bars are noise in Prefect logs; workers report progress as events instead."""
-    import datasets
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
 
 
 def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:

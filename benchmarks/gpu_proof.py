@@ -1,0 +1,174 @@
+"""Prove a GPU host: the GPU test tier, then real `finetune` flow runs through Prefect, then a report.
+
+    make gpu-proof                      # or: python benchmarks/gpu_proof.py [--model SOURCE] [--out DIR]
+
+Writes benchmarks/results/gpu-proof-<N>xGPU-<date>.{json,md}: environment and versions, the GPU test results,
+flow wall times, tokens/s on 1 GPU (and 2 GPUs where there are two), peak memory, the eval table, and the
+evaluation run twice, with the resolved flash-attention backend and with sdpa, compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def run_gpu_tests(out: Path) -> dict:
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
+                           "-s", f"--junitxml={out / 'gpu-tests.xml'}", "tests/test_gpu.py"],
+                          cwd=REPO, capture_output=True, text=True)
+    (out / "gpu-tests.log").write_text(proc.stdout + proc.stderr)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
+    return {"exit_code": proc.returncode, "seconds": round(time.perf_counter() - started, 1), "results": lines,
+            "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""}
+
+
+def flow_run(name: str, config: str | None, overrides: list[str], cache: Path, runs: Path) -> dict:
+    from flows.finetune import finetune
+
+    started = time.perf_counter()
+    result = finetune(config, [*overrides, f"run.cache_dir={cache}", f"run.output_dir={runs}", f"run.name={name}"])
+    seconds = time.perf_counter() - started
+    t, e = result.train, result.eval
+    return {
+        "name": name, "overrides": overrides, "flow_seconds": round(seconds, 1), "run_dir": str(result.run_dir),
+        "cached_steps": result.cached_steps,
+        "train": {k: getattr(t, k) for k in ("steps", "world_size", "backend", "devices", "rank_steps", "first_loss",
+                                             "final_loss", "tokens_per_second", "train_tokens", "train_seconds",
+                                             "peak_memory_mb")},
+        "eval": {"attn_implementation": e.attn_implementation, "metric": e.metric, "table": e.table(),
+                 "base_generate_seconds": e.base.generate_seconds,
+                 "adapter_generate_seconds": e.adapter.generate_seconds},
+        "_report": e,
+    }
+
+
+def compare(a, b) -> dict:
+    """Greedy answers and losses of the same adapter under two attention backends."""
+    same = {m: sum(x == y for x, y in zip(a.predictions[m], b.predictions[m])) / max(len(a.predictions[m]), 1)
+            for m in ("base", "adapter")}
+    rel = {m: abs(getattr(a, m).loss - getattr(b, m).loss) / max(abs(getattr(b, m).loss), 1e-9)
+           for m in ("base", "adapter")}
+    return {"backends": [a.attn_implementation, b.attn_implementation], "same_greedy_answers": same,
+            "loss_relative_difference": rel, "agree": all(v < 2e-2 for v in rel.values()) and same["adapter"] >= 0.9,
+            "generate_seconds": {a.attn_implementation: a.adapter.generate_seconds + a.base.generate_seconds,
+                                 b.attn_implementation: b.adapter.generate_seconds + b.base.generate_seconds}}
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [f"# GPU proof: {report['gpu_count']} x {env['gpus'][0]['name'] if env['gpus'] else 'no GPU'}",
+             "", f"- date: {report['date']}", f"- host: {report['host']}", f"- command: `{report['command']}`",
+             f"- python {env['python']}, torch {env['torch']}, CUDA {env['cuda_version']}, driver "
+             f"{env['driver_version']}",
+             "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v),
+             "- attention backends: " + ", ".join(f"{k}: {v}" for k, v in env["attention"].items()),
+             "", "## GPU tests", "", f"{report['gpu_tests']['summary']} ({report['gpu_tests']['seconds']} s)", ""]
+    lines += [f"- {line}" for line in report["gpu_tests"]["results"]]
+    lines += ["", "## Flow runs (Prefect `finetune` flow, real workers)", "",
+              "| run | GPUs | ranks | backend | steps (per rank) | loss first -> final | tokens/s | peak MiB | "
+              "eval attention | flow s | cached steps |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["flow_runs"]:
+        t = r["train"]
+        lines.append(f"| {r['name']} | {next((o.split('=')[1] for o in r['overrides'] if o.startswith('hardware.gpus')), '')}"
+                     f" | {t['world_size']} | {t['backend']} | {t['rank_steps']} | {t['first_loss']:.3f} -> "
+                     f"{t['final_loss']:.3f} | {t['tokens_per_second']} | {t['peak_memory_mb']} | "
+                     f"{r['eval']['attn_implementation']} | {r['flow_seconds']} | {', '.join(r['cached_steps']) or '-'} |")
+    for r in report["flow_runs"]:
+        lines += ["", f"### Eval: {r['name']}", "", "| " + " | ".join(r["eval"]["table"][0]) + " |",
+                  "|" + "---|" * len(r["eval"]["table"][0])]
+        lines += ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in r["eval"]["table"]]
+    for c in report["attention_comparisons"]:
+        lines += ["", f"## {c['backends'][0]} vs {c['backends'][1]} ({c['model']})", "",
+                  f"- same greedy answers: {c['same_greedy_answers']}",
+                  f"- loss relative difference: {c['loss_relative_difference']}",
+                  f"- generation seconds (base + adapter): {c['generate_seconds']}", f"- agree: {c['agree']}"]
+    for f in report.get("failures", []):
+        lines += ["", f"## FAILED: {f['run']}", "", "```", f["error"], "```"]
+    if report.get("demo_model_skipped"):
+        lines += ["", f"Demo model not run: {report['demo_model_skipped']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="generated:qwen3-0.6b", help="model source for the flow runs")
+    parser.add_argument("--demo-model", default="builtin:smollm2-135m-instruct",
+                        help="also run the demo config on this model where it is installed ('' to skip)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--work", default="/tmp/finetune-flows-gpu-proof")
+    parser.add_argument("--skip-tests", action="store_true")
+    args = parser.parse_args()
+
+    from prefect.testing.utilities import prefect_test_harness  # noqa: F401 (fail early if prefect is missing)
+
+    from tasks.environment import run_probe
+    from tasks.models import check_model_source
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    env = run_probe(work)
+    n = len(env.gpus)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) / f"gpu-proof-{n}xGPU-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"date": stamp, "host": platform.node(), "gpu_count": n, "command": " ".join(sys.argv),
+              "environment": env.model_dump(mode="json"), "flow_runs": [], "attention_comparisons": []}
+    report["gpu_tests"] = {"summary": "skipped", "results": [], "seconds": 0} if args.skip_tests else run_gpu_tests(out)
+    print("gpu tests:", report["gpu_tests"]["summary"], flush=True)
+
+    cache, runs = work / "cache", work / "runs"
+    common = [f"model.source={args.model}", "data.builtin_examples=2000", "data.max_length=256", "train.max_steps=60",
+              "train.save_steps=20", "train.per_device_batch_size=16", "train.learning_rate=5e-4",
+              "eval.max_samples=200", "eval.batch_size=50", "hardware.attn_implementation=auto"]
+    demo_config = str(REPO / "configs" / "demo.yaml")
+    first = "0" if n else "cpu"  # on a machine without GPUs the script still runs end to end (a dry run)
+    plan = [("1gpu-auto-attn", None, [*common, f"hardware.gpus={first}"])]
+    if n >= 2:
+        plan.append(("2gpu-ddp", None, [*common, "hardware.gpus=0,1"]))
+    plan.append(("1gpu-sdpa-eval", None, [*common, f"hardware.gpus={first}", "hardware.attn_implementation=sdpa"]))
+    if args.demo_model:
+        try:
+            check_model_source(args.demo_model)
+            demo = [f"model.source={args.demo_model}", f"hardware.gpus={first}"]
+            plan.append(("demo-model-auto-attn", demo_config, demo))
+            plan.append(("demo-model-sdpa-eval", demo_config, [*demo, "hardware.attn_implementation=sdpa"]))
+        except Exception as exc:
+            report["demo_model_skipped"] = str(exc)
+    results = {}
+    for name, config, overrides in plan:
+        print(f"flow run {name}: {config or 'defaults'} {overrides}", flush=True)
+        try:
+            r = flow_run(name, config, overrides, cache, runs)
+        except Exception as exc:  # record and go on: the report says what failed
+            report.setdefault("failures", []).append({"run": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            print(f"flow run {name} FAILED: {exc}", flush=True)
+            continue
+        results[name] = r.pop("_report")
+        report["flow_runs"].append(r)
+    for a, b, model in (("1gpu-auto-attn", "1gpu-sdpa-eval", args.model),
+                        ("demo-model-auto-attn", "demo-model-sdpa-eval", args.demo_model)):
+        if a in results and b in results:
+            report["attention_comparisons"].append({"model": model, **compare(results[a], results[b])})
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "report.md").write_text(markdown(report))
+    print(markdown(report))
+    print(f"report: {out}")
+    return 0 if report["gpu_tests"].get("exit_code", 0) == 0 and not report.get("failures") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
