@@ -3,7 +3,8 @@
 Slot names are `device-<host>-gpu<id>` for each selected GPU (nvidia-smi id), or `device-<host>-cpu` for CPU
 runs. `make deploy` and `make worker` create the limits of their host, one slot each
 (`python -m tasks.concurrency`). A run that finds a device busy waits, and says so in its log every
-`WAIT_REPORT_SECONDS`; when a limit does not exist, the step runs unguarded and warns.
+`WAIT_REPORT_SECONDS` (doubling up to every 5 minutes); when a limit does not exist, the step runs unguarded
+and warns.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Iterator
 from tasks.launcher import run_logger
 
 WAIT_REPORT_SECONDS = 30.0
+MAX_WAIT_REPORT_SECONDS = 300.0
 SLOT_PREFIX = "device-"
 
 
@@ -76,9 +78,11 @@ def _lease_holder():
 
 
 def _report_waiting(done: threading.Event, logger, label: str, started: float) -> None:
-    while not done.wait(WAIT_REPORT_SECONDS):
+    interval = WAIT_REPORT_SECONDS
+    while not done.wait(interval):
         logger.info("still waiting for device slot(s) %s: %.0f s so far (another run holds the device)", label,
                     time.monotonic() - started)
+        interval = min(2 * interval, MAX_WAIT_REPORT_SECONDS)
 
 
 @contextmanager
