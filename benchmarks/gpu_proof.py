@@ -103,6 +103,11 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def save(report: dict, out: Path) -> None:
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "report.md").write_text(markdown(report))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="generated:qwen3-0.6b", help="model source for the flow runs")
@@ -111,6 +116,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--work", default="/tmp/finetune-flows-gpu-proof")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--runs", default="", help="comma-separated flow runs to do (default: all that apply)")
     args = parser.parse_args()
 
     from prefect.testing.utilities import prefect_test_harness  # noqa: F401 (fail early if prefect is missing)
@@ -148,7 +154,10 @@ def main() -> int:
             plan.append(("demo-model-sdpa-eval", demo_config, [*demo, "hardware.attn_implementation=sdpa"]))
         except Exception as exc:
             report["demo_model_skipped"] = str(exc)
+    if args.runs:
+        plan = [p for p in plan if p[0] in args.runs.split(",")]
     results = {}
+    save(report, out)  # written after every stage, so an interrupted proof still leaves what it measured
     for name, config, overrides in plan:
         print(f"flow run {name}: {config or 'defaults'} {overrides}", flush=True)
         try:
@@ -159,12 +168,12 @@ def main() -> int:
             continue
         results[name] = r.pop("_report")
         report["flow_runs"].append(r)
+        save(report, out)
     for a, b, model in (("1gpu-auto-attn", "1gpu-sdpa-eval", args.model),
                         ("demo-model-auto-attn", "demo-model-sdpa-eval", args.demo_model)):
         if a in results and b in results:
             report["attention_comparisons"].append({"model": model, **compare(results[a], results[b])})
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    (out / "report.md").write_text(markdown(report))
+    save(report, out)
     print(markdown(report))
     print(f"report: {out}")
     return 0 if report["gpu_tests"].get("exit_code", 0) == 0 and not report.get("failures") else 1
