@@ -14,7 +14,8 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 from tasks.launcher import run_logger
 
@@ -134,3 +135,15 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def produce_on_devices(done: Path, gpu_ids: list[int], launch: Callable[[], object]) -> None:
+    """Run `launch` holding the devices' slots, unless `done` exists: checked again once the slots are held,
+    because an identical run that held them first may have produced the same content-addressed output."""
+    if done.exists():
+        return
+    with device_slots(gpu_ids):
+        if done.exists():
+            run_logger().info("%s appeared while waiting for the device: reusing it", done.parent)
+            return
+        launch()

@@ -15,7 +15,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
-from tasks.concurrency import device_slots
+from tasks.concurrency import produce_on_devices
 from tasks.config import FinetuneConfig
 from tasks.dataset import IGNORE_INDEX, PreparedDataset, load_split
 from tasks.environment import Plan
@@ -181,11 +181,13 @@ def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: Quantized
     """Score base and base + adapter; publish the comparison table (artifact key `eval-metrics`)."""
     fingerprint = eval_fingerprint(cfg, data, base, adapter_path, plan)
     out = cfg.cache_root / "evals" / fingerprint / "eval.json"
-    if not out.is_file():
+
+    def launch() -> None:
         job = write_job(out.parent, "evaluate", config=cfg.model_dump(mode="json"), plan=plan.model_dump(),
                         base=str(base.path), data=str(data.path), adapter=str(adapter_path), out=str(out))
-        with device_slots(gpus.ids):
-            run_worker("evaluate", python_module("tasks.evaluate", job), gpus.env, out.parent)
+        run_worker("evaluate", python_module("tasks.evaluate", job), gpus.env, out.parent)
+
+    produce_on_devices(out, gpus.ids, launch)
     report = EvalReport.model_validate_json(out.read_text())
     run_logger().info("eval (%s): base %s=%s loss=%.4f | adapter %s=%s loss=%.4f", report.attn_implementation,
                       report.metric, report.base.generation_score, report.base.loss, report.metric,

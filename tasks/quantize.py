@@ -13,6 +13,7 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel
 
+from tasks.concurrency import produce_on_devices
 from tasks.config import FinetuneConfig, QuantizationConfig
 from tasks.environment import Plan
 from tasks.errors import retry_unless_user_error
@@ -106,10 +107,13 @@ def quantize_base_model(cfg: FinetuneConfig, plan: Plan, gpus: GpuSelection, run
         path = materialize_model(cfg.model.source, cfg.cache_root, cfg.model.revision)
         return QuantizedModel(path=path, fingerprint=fingerprint, load_in_4bit=False, compute_dtype=plan.compute_dtype,
                               memory_footprint_mb=0.0, linear4bit_layers=0, quantize_seconds=0.0)
-    if not (out / "quantization.json").is_file():
+
+    def launch() -> None:
         job = write_job(run_dir / "work", "quantize", config=cfg.model_dump(mode="json"), out=str(out),
                         compute_dtype=plan.compute_dtype, fingerprint=fingerprint)
         run_worker("quantize", python_module("tasks.quantize", job), gpus.env, run_dir / "work")
+
+    produce_on_devices(out / "quantization.json", gpus.ids, launch)
     result = QuantizedModel.model_validate_json((out / "quantization.json").read_text())
     run_logger().info("4-bit base model: %d Linear4bit layers, %.1f MiB -> %s", result.linear4bit_layers,
                       result.memory_footprint_mb, out)

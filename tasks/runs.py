@@ -51,7 +51,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
 
 def flow_run_name() -> str:
-    """`<run name>/<model>`: what a person scans for in the Prefect UI."""
+    """`<run name>/<model>/<run id>`: what a person scans for in the Prefect UI."""
     from prefect.runtime import flow_run
 
     from tasks.config import load_config
@@ -62,4 +62,4 @@ def flow_run_name() -> str:
     except Exception:
         return f"finetune-{params.get('config')}"
     model = cfg.model.source.split(":")[-1].split("/")[-1]
-    return f"{cfg.run.name}/{model}"
+    return f"{cfg.run.name}/{model}/{str(flow_run.id)[:8]}"

@@ -18,7 +18,7 @@ from typing import Any
 from prefect import task
 from pydantic import BaseModel
 
-from tasks.concurrency import device_slots
+from tasks.concurrency import produce_on_devices
 from tasks.config import FinetuneConfig
 from tasks.dataset import IGNORE_INDEX, PreparedDataset, load_split
 from tasks.environment import Plan
@@ -275,7 +275,8 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     fingerprint = train_fingerprint(cfg, data, base, plan)
     out = cfg.cache_root / "adapters" / fingerprint
     metrics = out / "train_metrics.json"
-    if not metrics.is_file():
+
+    def launch() -> None:
         out.mkdir(parents=True, exist_ok=True)
         resume = _last_checkpoint(out / "checkpoints")
         if resume is not None:
@@ -283,9 +284,10 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
         job = write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
                         base=str(base.path), data=str(data.path), load_in_4bit=base.load_in_4bit,
                         fingerprint=fingerprint)
-        argv = torchrun_module("tasks.train", job, plan.nproc)
-        with device_slots(gpus.ids):
-            run_worker("train", argv, gpus.env, out, on_event=ProgressReporter(cfg.train.max_steps))
+        run_worker("train", torchrun_module("tasks.train", job, plan.nproc), gpus.env, out,
+                   on_event=ProgressReporter(cfg.train.max_steps))
+
+    produce_on_devices(metrics, gpus.ids, launch)
     return TrainResult.model_validate_json(metrics.read_text())
 
 
