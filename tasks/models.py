@@ -155,6 +155,10 @@ def _materialize_gguf(path: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
+def _cache_entry(kind: str, source: str, cache_root: Path) -> Path:
+    return cache_root / kind / f"{source.replace(':', '-').replace('/', '_')}-{model_identity(source)[:12]}"
+
+
 def materialize_model(source: str, cache_root: Path, revision: str | None = None,
                       trust_remote_code: bool = False) -> Path:
     """Return a local checkpoint directory for the source, converting/generating it once into the cache."""
@@ -164,7 +168,7 @@ def materialize_model(source: str, cache_root: Path, revision: str | None = None
         return path.resolve()
     if not (source.startswith(("builtin:", "generated:")) or path.is_file()):
         return Path(source)  # a Hub id: transformers resolves it (and fails clearly when offline)
-    final = cache_root / "models" / f"{source.replace(':', '-').replace('/', '_')}-{model_identity(source)[:12]}"
+    final = _cache_entry("models", source, cache_root)
     if (final / "config.json").is_file():
         return final
     with atomic_dir(final) as tmp:
@@ -182,7 +186,7 @@ def materialize_tokenizer(source: str, cache_root: Path, revision: str | None = 
     path = Path(source).expanduser()
     if path.is_dir():
         return path.resolve()
-    final = cache_root / "tokenizers" / f"{source.replace(':', '-').replace('/', '_')}-{model_identity(source)[:12]}"
+    final = _cache_entry("tokenizers", source, cache_root)
     if (final / "tokenizer_config.json").is_file():
         return final
     from transformers import AutoTokenizer
