@@ -1,4 +1,5 @@
-"""Never two jobs on one device: training and GPU evaluation hold a Prefect global-concurrency slot per device.
+"""Never two jobs on one device: quantization, training and evaluation hold a Prefect global-concurrency slot
+per device.
 
 Slot names are `device-<host>-gpu<id>` for each selected GPU (nvidia-smi id), or `device-<host>-cpu` for CPU
 runs. `make deploy` and `make worker` create the limits of their host, one slot each

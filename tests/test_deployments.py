@@ -149,7 +149,7 @@ def test_device_limits_are_created_idempotently(stack):
 def test_on_demand_runs_complete_with_their_artifacts(stack, two_runs):
     for flow_run_id, run, _ in two_runs:
         assert run.state.type.value == "COMPLETED", (run.state.message, stack.logs_of(flow_run_id)[-20:])
-        assert run.name == "tiny/tiny-llama"
+        assert re.fullmatch(r"tiny/tiny-llama/[0-9a-f]{8}", run.name), run.name  # <run name>/<model>/<run id>
         assert {"finetune", "on-demand"} <= set(run.tags)
         artifacts = stack.artifacts_of(flow_run_id)
         assert ARTIFACT_KEYS <= set(artifacts), sorted(artifacts)
@@ -162,7 +162,7 @@ def _slot_events(stack, flow_run_id):
     """(time, task run, what) for each device-slot and device-job log line of a flow run."""
     events = []
     for log in stack.logs_of(flow_run_id):
-        m = re.match(r"(waiting for|acquired|releasing) device slot\(s\) (\S+)|starting (train|evaluate) worker",
+        m = re.match(r"(waiting for|acquired|releasing) device slot\(s\) (\S+)|starting (quantize|train|evaluate) worker",
                      log.message)
         if m:
             events.append((log.timestamp, log.task_run_id, m.group(1) or f"start {m.group(3)}", log.message))
@@ -181,8 +181,9 @@ def test_device_slot_makes_the_two_runs_take_turns(stack, two_runs):
             elif what == "releasing":
                 holds.append((acquired.pop(task_run), when, flow_run_id))
             elif what.startswith("start"):
-                starts.append((when, task_run, flow_run_id))
-    assert len(holds) == 4, "training and evaluation of both runs each hold the device slot"
+                starts.append((when, what.split()[1], flow_run_id))
+    assert len(holds) == 6, "quantization, training and evaluation of both runs each hold the device slot"
+    assert sorted(job for _, job, _ in starts) == sorted(["quantize", "train", "evaluate"] * 2), starts
     holds.sort()
     for (_, end, a), (start, _, b) in zip(holds, holds[1:]):
         assert end <= start, f"device held by {a} until {end} and by {b} from {start}: overlap"
