@@ -1,7 +1,6 @@
 """Reading, validating, formatting and loss masking, with the generated tokenizer (ChatML) and a template-less one."""
 
 import json
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq

@@ -124,12 +124,11 @@ def test_two_process_torchrun_on_cpu(prefect_server, shared_cache, tmp_path):
     result = finetune(None, tiny_overrides(shared_cache / "ddp", tmp_path, **{"hardware.cpu_processes": 2}))
     train = result.train
     assert train.world_size == 2 and train.steps == 6
-    log = (Path(train.output_dir) / "train.log").read_text()
-    assert "world_size=2" in log or "ranks: 2" in log or "on 2 cpu rank(s)" in log
+    assert train.backend == "gloo" and train.rank_steps == [6, 6]  # DDP: both ranks took every step
+    assert "trained 6 steps on 2 cpu rank(s)" in (Path(train.output_dir) / "train.log").read_text()
 
 
-def test_bad_data_row_stops_before_any_model_is_loaded(prefect_server, shared_cache, tmp_path, first_run):
-    _, _, _ = first_run
+def test_bad_data_row_stops_before_any_model_is_loaded(prefect_server, shared_cache, tmp_path):
     data = tmp_path / "tickets.jsonl"
     data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c"}\n')
     cache = tmp_path / "cache"
