@@ -6,9 +6,6 @@ with the resolved attention backend. Runs in a child process on the first select
 
 from __future__ import annotations
 
-import json
-import math
-import time
 from pathlib import Path
 
 from prefect import task
@@ -17,14 +14,13 @@ from pydantic import BaseModel
 
 from tasks.concurrency import produce_on_devices
 from tasks.config import FinetuneConfig
-from tasks.dataset import IGNORE_INDEX, PreparedDataset, load_split
+from tasks.dataset import PreparedDataset
 from tasks.environment import Plan
 from tasks.errors import retry_unless_user_error
 from tasks.fingerprint import code_version, combine, hash_tree
 from tasks.gpus import GpuSelection
-from tasks.launcher import python_module, run_logger, run_worker, worker_main, write_job
-from tasks.quantize import QuantizedModel, torch_dtype
-from tasks.train import PadCollator
+from tasks.launcher import python_module, run_logger, run_worker, write_job
+from tasks.quantize import QuantizedModel
 
 
 class ModelScores(BaseModel):
@@ -62,101 +58,8 @@ class EvalReport(BaseModel):
 def eval_fingerprint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter_path: Path,
                      plan: Plan) -> str:
     return combine(data.fingerprint, base.fingerprint, hash_tree(adapter_path), cfg.eval.fingerprint(),
-                   plan.eval_attn, plan.device, code_version("evaluate"))
+                   plan.eval_attn, plan.device, code_version("evaluate", "eval_worker", "metrics"))
 
-
-def score_answer(prediction: str, reference: str, metric: str) -> bool:
-    p, r = prediction.strip().lower(), reference.strip().lower()
-    return p == r if metric == "exact_match" else r in p
-
-
-# ---------------------------------------------------------------- worker side
-
-
-def _loss(model, dataset, batch_size: int, pad_id: int, device) -> float:
-    import torch
-
-    total, count = 0.0, 0
-    for start in range(0, len(dataset), batch_size):
-        batch = PadCollator(pad_id)(dataset[start:start + batch_size])
-        ids, labels, mask = (batch[k].to(device) for k in ("input_ids", "labels", "attention_mask"))
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
-        loss = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)),
-                                                 shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-        total += float(loss)
-        count += int((shift_labels != IGNORE_INDEX).sum())
-    return total / max(count, 1)
-
-
-def _generate(model, tokenizer, prompts: list[str], cfg: FinetuneConfig, device) -> tuple[list[str], float]:
-    import torch
-
-    outputs = []
-    started = time.perf_counter()
-    tokenizer.padding_side = "left"  # generation continues from the right edge
-    for start in range(0, len(prompts), cfg.eval.batch_size):
-        batch = tokenizer(prompts[start:start + cfg.eval.batch_size], return_tensors="pt", padding=True,
-                          add_special_tokens=False).to(device)
-        with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=cfg.eval.max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        outputs += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return outputs, time.perf_counter() - started
-
-
-def _evaluate(job: dict) -> dict:
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    cfg = FinetuneConfig.model_validate(job["config"])
-    plan = Plan.model_validate(job["plan"])
-    data_path, adapter_path = Path(job["data"]), Path(job["adapter"])
-    device = torch.device("cuda:0" if plan.device == "cuda" and torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(adapter_path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    base = AutoModelForCausalLM.from_pretrained(job["base"], device_map={"": str(device)},
-                                                dtype=torch_dtype(plan.compute_dtype),
-                                                attn_implementation=plan.eval_attn)
-    model = PeftModel.from_pretrained(base, adapter_path).eval()
-    print(f"evaluating on {device} with attn_implementation={model.config._attn_implementation}", flush=True)
-
-    dataset = load_split(data_path, "eval")
-    prompts_file = data_path / "eval_prompts.jsonl"
-    pairs = [json.loads(line) for line in prompts_file.read_text().splitlines()][: cfg.eval.max_samples]
-    prompts, references = [p["prompt"] for p in pairs], [p["reference"] for p in pairs]
-
-    scores, answers = {}, {}
-    for name in ("base", "adapter"):
-        if name == "base":
-            model.base_model.disable_adapter_layers()
-        else:
-            model.base_model.enable_adapter_layers()
-        loss = _loss(model, dataset, cfg.eval.batch_size, tokenizer.pad_token_id, device)
-        generated, seconds = _generate(model, tokenizer, prompts, cfg, device) if prompts else ([], 0.0)
-        hits = [score_answer(g, r, cfg.eval.metric) for g, r in zip(generated, references)]
-        answers[name] = generated
-        scores[name] = dict(loss=loss, perplexity=math.exp(min(loss, 50)),
-                            generation_score=(sum(hits) / len(hits)) if hits else None, generated=len(generated),
-                            generate_seconds=round(seconds, 2))
-        print(f"{name}: loss {loss:.4f}, {cfg.eval.metric} {scores[name]['generation_score']}", flush=True)
-    samples = [dict(prompt=p[-200:], reference=r, base=b, adapter=a)
-               for p, r, b, a in list(zip(prompts, references, answers["base"], answers["adapter"]))[:5]]
-    out = Path(job["out"])
-    report = dict(base=scores["base"], adapter=scores["adapter"], metric=cfg.eval.metric,
-                  attn_implementation=model.config._attn_implementation, device=str(device),
-                  eval_rows=len(dataset), samples=samples, path=str(out), references=references, predictions=answers)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    return report
-
-
-# ---------------------------------------------------------------- orchestrator side
 
 
 def publish_eval(report: EvalReport) -> None:
@@ -185,7 +88,7 @@ def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: Quantized
     def launch() -> None:
         job = write_job(out.parent, "evaluate", config=cfg.model_dump(mode="json"), plan=plan.model_dump(),
                         base=str(base.path), data=str(data.path), adapter=str(adapter_path), out=str(out))
-        run_worker("evaluate", python_module("tasks.evaluate", job), gpus.env, out.parent)
+        run_worker("evaluate", python_module("tasks.eval_worker", job), gpus.env, out.parent)
 
     produce_on_devices(out, gpus.ids, launch)
     report = EvalReport.model_validate_json(out.read_text())
@@ -194,6 +97,3 @@ def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: Quantized
                       report.adapter.generation_score, report.adapter.loss)
     return report
 
-
-if __name__ == "__main__":
-    worker_main(_evaluate)

@@ -166,13 +166,13 @@ def test_four_bit_checkpoint_loads_as_bitsandbytes_layers(first_run):
 
 
 def test_resume_skips_a_checkpoint_left_half_written(tmp_path):
-    from tasks.train import _last_checkpoint
+    from tasks.train_worker import last_checkpoint
 
     ckpts = tmp_path / "checkpoints"
     (ckpts / "checkpoint-5").mkdir(parents=True)
     (ckpts / "checkpoint-5" / "trainer_state.json").write_text("{}")
     (ckpts / "checkpoint-10").mkdir()  # killed while saving: weights maybe, no trainer_state.json
     (ckpts / "checkpoint-10" / "adapter_model.safetensors").write_bytes(b"partial")
-    assert _last_checkpoint(ckpts) == ckpts / "checkpoint-5"
+    assert last_checkpoint(ckpts) == ckpts / "checkpoint-5"
     assert not (ckpts / "checkpoint-10").exists()
-    assert _last_checkpoint(tmp_path / "none") is None
+    assert last_checkpoint(tmp_path / "none") is None
