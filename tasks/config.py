@@ -91,7 +91,8 @@ class QuantizationConfig(Section):
 class LoraConfig(Section):
     r: int = Field(16, ge=1, description="LoRA rank.")
     alpha: int = Field(32, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA branch.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch (0: no extra kernels per "
+                           "adapted layer; QLoRA's paper used 0.05-0.1 for small models).")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="Modules that get adapters: `all-linear` or a list of module names."
     )
@@ -106,13 +107,31 @@ class TrainConfig(Section):
     )
     warmup_steps: int = Field(5, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    per_device_batch_size: int = Field(8, ge=1, description="Examples per device per micro-step.")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
+    per_device_batch_size: int = Field(
+        8, ge=1, description="Rows per device per micro-step. With packing, `per_device_batch_size x "
+        "gradient_accumulation_steps` rows per device is the effective batch of one optimizer step; the planner "
+        "turns it into token-budget micro-batches and its own accumulation.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step (see "
+                                             "per_device_batch_size).")
+    packing: bool = Field(
+        True, description="Pack rows into token-budget micro-batches (no padding) with per-row positions and "
+        "variable-length attention, so no token attends across rows; false: padded batches (the plain recipe).")
+    micro_batch_tokens: int | None = Field(
+        None, ge=16, description="Tokens per packed micro-batch; default: the memory planner's choice.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="Mixed precision; `auto`: bf16 where the GPU has it, fp16 before Ampere, fp32 on CPU."
     )
-    gradient_checkpointing: bool = Field(True, description="Trade compute for memory in the base model.")
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="Recompute activations in the backward pass (saves memory, costs ~1/3 more compute); "
+        "`auto`: only when the planner finds that a useful micro-batch does not fit without it.")
+    liger_kernel: bool | Literal["auto"] = Field(
+        "auto", description="Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) "
+        "through the Trainer; `auto`: on NVIDIA GPUs where liger-kernel is installed (`pip install .[gpu]`).")
+    upcast_frozen: bool | Literal["auto"] = Field(
+        "auto", description="Keep the frozen embeddings, norms and lm_head in fp32 as PEFT's "
+        "prepare_model_for_kbit_training does (true), or in the compute dtype (false); `auto`: the measured "
+        "faster choice (see benchmarks/README.md).")
     optimizer: str = Field("adamw_torch", description="Trainer optimizer name (e.g. paged_adamw_8bit on GPUs).")
     logging_steps: int = Field(5, ge=1, description="Log loss and throughput every N steps.")
     save_steps: int = Field(25, ge=1, description="Checkpoint every N steps (a retry resumes from the last one).")
@@ -237,11 +256,6 @@ def consistency_problems(cfg: FinetuneConfig) -> list[str]:
         problems.append("train.precision=bf16 with quantization.compute_dtype=float16: pick one dtype")
     if t.optimizer.startswith("paged_") and not q.load_in_4bit:
         problems.append(f"train.optimizer={t.optimizer} needs bitsandbytes; it is meant for 4-bit runs")
-    if t.save_steps > t.max_steps > 0:
-        problems.append(
-            f"train.save_steps={t.save_steps} > train.max_steps={t.max_steps}: no checkpoint would be written "
-            "before the end, so a crashed run could not resume"
-        )
     if cfg.data.eval_source is None and cfg.data.max_samples is not None and cfg.data.max_samples < 10:
         problems.append("data.max_samples < 10 leaves too few rows to hold some out for evaluation")
     return problems

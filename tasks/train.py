@@ -17,10 +17,11 @@ from tasks.concurrency import produce_on_devices
 from tasks.config import FinetuneConfig
 from tasks.dataset import PreparedDataset
 from tasks.environment import Plan
-from tasks.errors import retry_unless_user_error
+from tasks.errors import UserInputError, retry_unless_user_error
 from tasks.fingerprint import code_version, combine
 from tasks.gpus import GpuSelection
 from tasks.launcher import run_logger, run_worker, torchrun_module, write_job
+from tasks.planner import ModelShape, TrainingPlan, plan_training
 from tasks.quantize import QuantizedModel
 from tasks.train_worker import last_checkpoint
 
@@ -38,11 +39,18 @@ class TrainResult(BaseModel):
     tokens_per_second: float  # real (non-padding) tokens over all ranks / training wall time of this attempt
     train_tokens: int
     train_seconds: float
-    peak_memory_mb: float  # max over ranks: CUDA max allocated, or process max RSS on CPU
+    peak_memory_mb: float  # max over ranks: CUDA max reserved, or process max RSS on CPU
     resumed_from_step: int | None
     backend: str | None = None  # torch.distributed backend (nccl on GPUs, gloo on the CPU)
     rank_steps: list[int] = []  # optimizer steps each rank finished (equal under DDP)
     devices: list[str] = []  # device name per rank
+    rank_tokens: list[int] = []  # real tokens each rank trained on (packing balances them)
+    peak_allocated_mb: float | None = None
+    steady_tokens_per_second: float | None = None  # median over windows after warm-up, save steps left out
+    steady_state: dict[str, Any] = {}
+    training_plan: TrainingPlan | None = None
+    micro_batch_split: int = 1
+    layout: str = ""
 
     def is_complete(self) -> bool:
         return (self.adapter_path / "adapter_config.json").is_file()
@@ -51,7 +59,63 @@ class TrainResult(BaseModel):
 def train_fingerprint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan) -> str:
     return combine(data.fingerprint, base.fingerprint, cfg.lora.fingerprint(),
                    cfg.train.model_dump(mode="json", exclude={"retries", "retry_delay_seconds", "logging_steps"}),
-                   plan.nproc, plan.device, plan.precision, plan.train_attn, code_version("train", "train_worker"))
+                   plan.nproc, plan.device, plan.precision, plan.train_attn,
+                   code_version("train", "train_worker", "packing", "attention", "planner"))
+
+
+def row_lengths(data: PreparedDataset) -> list[int]:
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    return pc.list_value_length(pq.read_table(data.path / "train.parquet", columns=["input_ids"])["input_ids"]
+                                ).to_pylist()
+
+
+def liger_setting(cfg: FinetuneConfig, plan: Plan) -> bool:
+    """`auto`: Liger's kernels on NVIDIA GPUs where liger-kernel is installed."""
+    import importlib.util
+
+    want = cfg.train.liger_kernel
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    if want is True and not installed:
+        raise UserInputError("train.liger_kernel=true, but liger-kernel is not installed (pip install .[gpu])")
+    return plan.device == "cuda" and installed and want in (True, "auto")
+
+
+def upcast_setting(cfg: FinetuneConfig) -> bool:
+    want = cfg.train.upcast_frozen
+    return True if want == "auto" else bool(want)
+
+
+def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan,
+                  gpus: GpuSelection) -> TrainingPlan:
+    """The memory planner's choice for this model, data and the selected GPUs (tasks/planner.py)."""
+    lengths = row_lengths(data)
+    t = cfg.train
+    free = min((g.memory_free_mib for g in gpus.gpus), default=None) if plan.device == "cuda" else None
+    try:
+        return plan_training(
+            ModelShape.from_checkpoint(base.path), free_mib=free, max_row=max(lengths),
+            mean_row=sum(lengths) / len(lengths), rows_per_step=t.per_device_batch_size * t.gradient_accumulation_steps,
+            packing=t.packing, micro_batch_tokens=t.micro_batch_tokens, checkpointing=t.gradient_checkpointing,
+            four_bit=base.load_in_4bit, lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
+            fused_ce=liger_setting(cfg, plan), dtype_bytes=2 if plan.compute_dtype != "float32" else 4,
+            upcast=upcast_setting(cfg), per_device_rows=t.per_device_batch_size,
+            accumulation=t.gradient_accumulation_steps)
+    except ValueError as exc:
+        raise UserInputError(f"training plan: {exc}") from None
+
+
+def publish_training_plan(tplan: TrainingPlan) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
+    lines = ["| choice | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in tplan.model_dump().items() if k != "reasons"]
+    md = "# Training plan\n\n" + "\n".join(lines) + "\n\n" + "\n".join(f"- {r}" for r in tplan.reasons) + "\n"
+    try:
+        create_markdown_artifact(md, key="training-plan", description="Micro-batch, accumulation, checkpointing")
+    except Exception as exc:  # outside a Prefect run
+        run_logger().debug("training plan artifact not created: %s", exc)
 
 
 
@@ -98,6 +162,9 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     fingerprint = train_fingerprint(cfg, data, base, plan)
     out = cfg.cache_root / "adapters" / fingerprint
     metrics = out / "train_metrics.json"
+    tplan = training_plan(cfg, data, base, plan, gpus)
+    run_logger().info("training plan: %s", "; ".join(tplan.reasons))
+    publish_training_plan(tplan)
 
     def launch() -> None:
         out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +173,8 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             run_logger().warning("found %s from an interrupted attempt: resuming from it", resume)
         job = write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
                         base=str(base.path), data=str(data.path), load_in_4bit=base.load_in_4bit,
-                        fingerprint=fingerprint)
+                        fingerprint=fingerprint, training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
+                        upcast_frozen=upcast_setting(cfg))
         run_worker("train", torchrun_module("tasks.train_worker", job, plan.nproc), gpus.env, out,
                    on_event=ProgressReporter(cfg.train.max_steps))
 

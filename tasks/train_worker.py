@@ -1,7 +1,10 @@
 """Training rank body: `torchrun ... -m tasks.train_worker job.json`, one process per rank.
 
-Each rank loads the 4-bit checkpoint onto its own device and trains the LoRA adapter with the transformers
-Trainer; rank 0 writes the adapter and `train_metrics.json`. The orchestrator side is `tasks/train.py`.
+Each rank loads the 4-bit checkpoint onto its own device and trains the LoRA adapter with the transformers Trainer.
+By default batches are packed (tasks/packing.py: token-budget micro-batches, no padding, varlen attention from
+tasks/attention.py) with the micro-batch size, accumulation and checkpointing the planner chose (tasks/planner.py);
+Liger's fused kernels are switched on through the Trainer where installed. Rank 0 writes the adapter and
+`train_metrics.json`. The orchestrator side is tasks/train.py.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +22,11 @@ from tasks.config import FinetuneConfig
 from tasks.dataset import IGNORE_INDEX, load_split
 from tasks.environment import Plan
 from tasks.launcher import emit_event, worker_main
+from tasks.planner import TrainingPlan
 from tasks.quantize import torch_dtype
+
+CHECKPOINT_MANIFEST = "finetune-flows-checkpoint.json"
+
 
 class PadCollator:
     """Right-pad a batch; padding never counts in the loss. Counts the real tokens it has seen."""
@@ -43,57 +51,173 @@ class PadCollator:
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def _callback(max_steps_hint: int, collator: PadCollator, started: float):
-    from transformers import TrainerCallback
+# ---------------------------------------------------------------- checkpoints
 
-    class ProgressEvents(TrainerCallback):
-        """Rank 0 reports progress as events; the task turns them into logs and a Prefect progress artifact."""
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if state.is_world_process_zero and logs and "loss" in logs:
-                elapsed = time.perf_counter() - started
-                emit_event("train_log", step=state.global_step, max_steps=state.max_steps or max_steps_hint,
-                           loss=round(float(logs["loss"]), 5), learning_rate=logs.get("learning_rate"),
-                           tokens_per_second=round(collator.tokens * args.world_size / max(elapsed, 1e-9), 1),
-                           elapsed=round(elapsed, 1))
+def write_checkpoint_manifest(path: Path) -> None:
+    """Written after the Trainer finished a checkpoint: the name and size of every file in it, atomically."""
+    files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*"))
+             if p.is_file() and p.name != CHECKPOINT_MANIFEST}
+    tmp = path / f".{CHECKPOINT_MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"files": files}))
+    os.replace(tmp, path / CHECKPOINT_MANIFEST)
 
-        def on_save(self, args, state, control, **kwargs):
-            if state.is_world_process_zero:
-                emit_event("checkpoint", step=state.global_step)
 
-    return ProgressEvents()
+def checkpoint_is_complete(path: Path) -> bool:
+    try:
+        files = json.loads((path / CHECKPOINT_MANIFEST).read_text())["files"]
+        json.loads((path / "trainer_state.json").read_text())
+        return all((path / name).is_file() and (path / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def last_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The newest *complete* checkpoint. A crash during a save leaves a directory without trainer_state.json
-    (the Trainer writes it last); such leftovers are removed so the Trainer can write that step again."""
+    """The newest *complete* checkpoint (its manifest lists files that are all there, at their sizes). A crash
+    during a save, or a file lost later, leaves one that is not; those are removed so the Trainer can write that
+    step again, and the previous checkpoint is used."""
     if not ckpt_dir.is_dir():
         return None
     candidates = sorted((p for p in ckpt_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
                         key=lambda p: int(p.name.split("-")[-1]), reverse=True)
     for path in candidates:
-        try:
-            json.loads((path / "trainer_state.json").read_text())
+        if checkpoint_is_complete(path):
             return path
-        except (OSError, json.JSONDecodeError):
-            print(f"removing incomplete checkpoint {path.name} (interrupted while saving)", flush=True)
-            shutil.rmtree(path, ignore_errors=True)
+        print(f"removing incomplete checkpoint {path.name} (interrupted while saving, or a file is missing)",
+              flush=True)
+        shutil.rmtree(path, ignore_errors=True)
     return None
+
+
+# ---------------------------------------------------------------- measurement
+
+
+class StepClock:
+    """Per-step wall time and real tokens, with the device synchronised at each step boundary.
+
+    A step during which a checkpoint was saved is marked so the steady-state figure can leave it out.
+    """
+
+    def __init__(self, collator, sync):
+        self.collator = collator
+        self.sync = sync
+        self.steps: list[tuple[int, float, int, bool]] = []  # (step, seconds, tokens, had_save)
+        self._t = None
+        self._tokens = 0
+        self._saved = False
+
+    def start(self) -> None:
+        self.sync()
+        self._t = time.perf_counter()
+        self._tokens = self.collator.tokens
+
+    def step_end(self, step: int) -> None:
+        self.sync()
+        now = time.perf_counter()
+        if self._t is not None:
+            self.steps.append((step, now - self._t, self.collator.tokens - self._tokens, self._saved))
+        self._t, self._tokens, self._saved = now, self.collator.tokens, False
+
+    def saved(self) -> None:
+        self._saved = True  # the save happens after step_end: it lands in the next step's interval
+
+
+def steady_state(per_step: list[tuple[int, float, int, bool]], world_tokens_factor: float, warmup: int,
+                 window: int = 5) -> dict[str, float | int | None]:
+    """Median and spread of tokens/s over windows of `window` steps after `warmup`, without save steps."""
+    steady = [(s, sec, tok) for s, sec, tok, saved in per_step if s > warmup and not saved]
+    windows = [steady[i:i + window] for i in range(0, len(steady) - window + 1, window)]
+    rates = [sum(t for _, _, t in w) * world_tokens_factor / sum(sec for _, sec, _ in w) for w in windows]
+    if not rates:
+        return {"tokens_per_second": None, "min": None, "max": None, "windows": 0, "steps": len(steady)}
+    return {"tokens_per_second": round(statistics.median(rates), 1), "min": round(min(rates), 1),
+            "max": round(max(rates), 1), "windows": len(rates), "steps": len(steady)}
+
+
+def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: float):
+    from transformers import TrainerCallback
+
+    class Events(TrainerCallback):
+        """Rank 0 reports progress as events; the task turns them into logs and a Prefect progress artifact."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock.start()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_end(state.global_step)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and logs and "loss" in logs:
+                recent = clock.steps[-args.logging_steps:]
+                seconds = sum(s for _, s, _, _ in recent)
+                rate = sum(t for _, _, t, _ in recent) * args.world_size / seconds if seconds else 0.0
+                elapsed = time.perf_counter() - started
+                total = state.max_steps or max_steps
+                eta = (total - state.global_step) * seconds / max(len(recent), 1)
+                emit_event("train_log", step=state.global_step, max_steps=total, loss=round(float(logs["loss"]), 5),
+                           learning_rate=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"),
+                           tokens_per_second=round(rate, 1), elapsed=round(elapsed, 1), eta_seconds=round(eta, 1))
+
+        def on_save(self, args, state, control, **kwargs):
+            clock.saved()
+            if state.is_world_process_zero:
+                ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                if ckpt.is_dir():
+                    write_checkpoint_manifest(ckpt)
+                emit_event("checkpoint", step=state.global_step)
+
+    return Events()
+
+
+# ---------------------------------------------------------------- model
+
+
+def build_model(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, base_path: Path, load_in_4bit: bool,
+                device_map: dict, upcast: bool):
+    """The 4-bit base with a fresh LoRA adapter, set up as the training plan says."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        base_path, device_map=device_map, dtype=torch_dtype(plan.compute_dtype), attn_implementation="sdpa",
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    ckpt_kwargs = {"use_reentrant": False}
+    if load_in_4bit and upcast:
+        # PEFT's recipe: frozen non-quantized weights (embeddings, norms, lm_head) in fp32
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=tplan.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs=ckpt_kwargs)
+    else:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        if tplan.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+    model = get_peft_model(model, LoraConfig(
+        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+        target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM",
+    ))
+    model.config.use_cache = False
+    return model
+
+
+# ---------------------------------------------------------------- the rank body
 
 
 def _train(job: dict) -> dict | None:
     import torch
     import torch.distributed as dist
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+    from transformers import AutoTokenizer, Trainer, TrainingArguments, set_seed
 
     cfg = FinetuneConfig.model_validate(job["config"])
     plan = Plan.model_validate(job["plan"])
+    tplan = TrainingPlan.model_validate(job["training_plan"])
+    split = int(job.get("micro_batch_split", 1))
     t = cfg.train
     out = Path(job["out"])
     base_path, data_path = Path(job["base"]), Path(job["data"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     (out / "ranks" / f"rank-{rank}.pid").write_text(str(os.getpid()))  # lets an operator (or a test) find a rank
     on_gpu = plan.device == "cuda" and torch.cuda.is_available()
@@ -101,90 +225,118 @@ def _train(job: dict) -> dict | None:
         raise RuntimeError("the plan selects GPUs but this worker sees no CUDA device")
     if on_gpu:
         torch.cuda.set_device(local_rank)
-    device_map = {"": local_rank} if on_gpu else {"": "cpu"}
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (upcast lm_head, loss) on tensor cores
+    set_seed(t.seed)  # before the adapter's random init: a run is reproducible from its config
+    upcast = job.get("upcast_frozen", True)
+    model = build_model(cfg, plan, tplan, base_path, job["load_in_4bit"],
+                        {"": local_rank} if on_gpu else {"": "cpu"}, upcast)
+    use_liger = bool(job.get("liger")) and on_gpu
 
     tokenizer = AutoTokenizer.from_pretrained(base_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        base_path, device_map=device_map, dtype=torch_dtype(plan.compute_dtype), attn_implementation=plan.train_attn,
-    )
-    if job["load_in_4bit"]:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=t.gradient_checkpointing,
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif t.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, LoraConfig(
-        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-        target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM",
-    ))
-    model.config.use_cache = False
-
-    train_ds = load_split(data_path, "train")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    collator = PadCollator(pad_id)
+    rows = load_split(data_path, "train")
+    if tplan.packing:
+        from tasks.attention import packed_kernel_for, use_packed_attention
+        from tasks.packing import PackedCollator, PackedDataset, build_schedule
+
+        kernel = packed_kernel_for(plan.train_attn, on_gpu)
+        use_packed_attention(model, kernel)
+        schedule = build_schedule([len(r["input_ids"]) for r in rows], tplan.micro_batch_tokens,
+                                  tplan.gradient_accumulation_steps, world, t.seed, t.max_steps, t.epochs, split)
+        train_ds, collator = PackedDataset(rows, schedule), PackedCollator(pad_id)
+        batch_args = dict(per_device_train_batch_size=1, gradient_accumulation_steps=schedule.accumulation,
+                          max_steps=schedule.steps, train_sampling_strategy="sequential")
+        layout = (f"packed micro-batches of <= {tplan.micro_batch_tokens // split} tokens x {schedule.accumulation} "
+                  f"accumulation, {kernel} attention")
+    else:
+        rows_per_micro = max(1, tplan.micro_batch_rows // split)
+        train_ds, collator = rows, PadCollator(pad_id)
+        batch_args = dict(per_device_train_batch_size=rows_per_micro,
+                          gradient_accumulation_steps=tplan.gradient_accumulation_steps * split,
+                          max_steps=t.max_steps, num_train_epochs=t.epochs)
+        layout = f"padded batches of {rows_per_micro} rows x {batch_args['gradient_accumulation_steps']} accumulation"
+    steps = batch_args["max_steps"]
+    save_steps = min(t.save_steps, steps) if steps > 0 else t.save_steps  # a short run still leaves a checkpoint
     args = TrainingArguments(
-        output_dir=str(out / "checkpoints"), max_steps=t.max_steps, num_train_epochs=t.epochs,
-        per_device_train_batch_size=t.per_device_batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
+        output_dir=str(out / "checkpoints"), **batch_args,
         learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_steps,
         weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, optim=t.optimizer,
         bf16=plan.precision == "bf16", fp16=plan.precision == "fp16", use_cpu=not on_gpu,
         ddp_backend="nccl" if on_gpu else "gloo", ddp_find_unused_parameters=False,
-        logging_steps=t.logging_steps, logging_first_step=True, save_strategy="steps", save_steps=t.save_steps,
+        logging_steps=t.logging_steps, logging_first_step=True, save_strategy="steps", save_steps=save_steps,
         save_total_limit=t.save_total_limit, seed=t.seed, data_seed=t.seed, report_to=[],
         remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False,
+        use_liger_kernel=use_liger,
+        liger_kernel_config={"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True},
     )
     resume = last_checkpoint(out / "checkpoints")
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collator)
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    trainer.add_callback(_callback(t.max_steps, collator, started))
-    if resume is not None and trainer.is_world_process_zero():
-        print(f"resuming from {resume.name} (optimizer, scheduler and RNG state restored)", flush=True)
+    clock = StepClock(collator, torch.cuda.synchronize if on_gpu else (lambda: None))
+    trainer.add_callback(_callbacks(batch_args["max_steps"], collator, clock, out, started))
+    if job.get("profile") and on_gpu:  # the training benchmark's "where does the time go" window
+        from tasks.profiling import profiler_callback
+
+        trainer.add_callback(profiler_callback(Path(job["profile"]["path"]), job["profile"]["start"],
+                                               job["profile"]["steps"]))
+    if trainer.is_world_process_zero():
+        print(f"training: {layout}; checkpointing {'on' if tplan.gradient_checkpointing else 'off'}; "
+              f"liger {'on' if use_liger else 'off'}; frozen weights in {'fp32' if upcast else plan.compute_dtype}",
+              flush=True)
+        if resume is not None:
+            print(f"resuming from {resume.name} (optimizer, scheduler and RNG state restored)", flush=True)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     seconds = time.perf_counter() - started
 
     if on_gpu:
-        peak = torch.cuda.max_memory_allocated() / 2**20
+        peak_reserved = torch.cuda.max_memory_reserved() / 2**20
+        peak_allocated = torch.cuda.max_memory_allocated() / 2**20
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    stats = torch.tensor([float(collator.tokens), peak], dtype=torch.float64,
-                         device=f"cuda:{local_rank}" if on_gpu else "cpu")
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if dist.is_available() and dist.is_initialized():
-        tokens = stats[:1].clone()
-        dist.all_reduce(tokens, op=dist.ReduceOp.SUM)
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        stats[0] = tokens[0]
+        peak_reserved = peak_allocated = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    record = {"rank": rank, "global_step": trainer.state.global_step, "tokens": collator.tokens,
+              "peak_reserved_mb": peak_reserved, "peak_allocated_mb": peak_allocated,
+              "device_name": torch.cuda.get_device_name() if on_gpu else "cpu", "steps": clock.steps}
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
-    (out / "ranks" / f"rank-{rank}.json").write_text(json.dumps({
-        "rank": rank, "world_size": world, "global_step": trainer.state.global_step, "backend": backend,
-        "device": str(next(model.parameters()).device),
-        "device_name": torch.cuda.get_device_name() if on_gpu else "cpu",
-        "tokens": collator.tokens,
-    }))
+    records = [record]
     if backend is not None:
-        dist.barrier()  # every rank's record is on disk before rank 0 reads them
+        records = [None] * world
+        dist.all_gather_object(records, record)  # bookkeeping through the process group, not a shared directory
+    (out / "ranks" / f"rank-{rank}.pid").unlink(missing_ok=True)
     if not trainer.is_world_process_zero():
         return None
-    ranks = [json.loads((out / "ranks" / f"rank-{r}.json").read_text()) for r in range(world)]
 
     adapter = out / "adapter"
-    if adapter.exists():
-        shutil.rmtree(adapter)
-    model.save_pretrained(adapter)
-    tokenizer.save_pretrained(adapter)
+    tmp = out / ".adapter.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(adapter, ignore_errors=True)
+    os.replace(tmp, adapter)
     curve = [(int(e["step"]), float(e["loss"])) for e in trainer.state.log_history if "loss" in e]
-    total_tokens = int(stats[0])
+    total_tokens = sum(r["tokens"] for r in records)
+    warmup = max(2, len(clock.steps) // 10)
+    steady = steady_state(clock.steps, sum(r["tokens"] for r in records) / max(record["tokens"], 1), warmup)
     result = dict(
         adapter_path=str(adapter), output_dir=str(out), fingerprint=job["fingerprint"],
         steps=trainer.state.global_step, world_size=world, device=plan.device, loss_curve=curve,
         first_loss=curve[0][1], final_loss=curve[-1][1], tokens_per_second=round(total_tokens / seconds, 1),
-        train_tokens=total_tokens, train_seconds=round(seconds, 2), peak_memory_mb=round(float(stats[1]), 1),
+        train_tokens=total_tokens, train_seconds=round(seconds, 2),
+        peak_memory_mb=round(max(r["peak_reserved_mb"] for r in records), 1),
+        peak_allocated_mb=round(max(r["peak_allocated_mb"] for r in records), 1),
+        steady_tokens_per_second=steady["tokens_per_second"], steady_state=steady,
         resumed_from_step=int(resume.name.split("-")[-1]) if resume else None,
-        backend=backend, rank_steps=[r["global_step"] for r in ranks], devices=[r["device_name"] for r in ranks],
+        backend=backend, rank_steps=[r["global_step"] for r in records],
+        devices=[r["device_name"] for r in records], rank_tokens=[r["tokens"] for r in records],
+        training_plan=tplan.model_dump(), micro_batch_split=split, layout=layout,
     )
-    (out / "train_metrics.json").write_text(json.dumps(result, indent=2))
+    tmp_metrics = out / ".train_metrics.json.tmp"
+    tmp_metrics.write_text(json.dumps(result, indent=2))
+    os.replace(tmp_metrics, out / "train_metrics.json")
     print(f"trained {result['steps']} steps on {world} {plan.device} rank(s): loss {result['first_loss']:.4f} -> "
-          f"{result['final_loss']:.4f}, {result['tokens_per_second']} tokens/s, peak {result['peak_memory_mb']} MiB",
-          flush=True)
+          f"{result['final_loss']:.4f}, {result['tokens_per_second']} tokens/s (steady "
+          f"{result['steady_tokens_per_second']}), peak reserved {result['peak_memory_mb']} MiB", flush=True)
     return result
 
 

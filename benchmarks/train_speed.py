@@ -1,0 +1,450 @@
+"""Training speed, the seed recipe against this project's own training path, side by side in one run.
+
+    make bench-train                                  # every shape and run this host can do
+    python benchmarks/train_speed.py --shapes qwen3-0.6b --runs seed,ours --steps 20
+    python benchmarks/train_speed.py --smoke          # tiny model on the CPU (part of `make test`)
+
+The workload: synthetic rows (default 4,000) whose lengths are lognormal (median 256, sigma 0.7, clipped to
+32..1024), loss on every token, drawn from a sparse Markov chain (each token has 4 successors), so there is
+structure to learn (the entropy floor is ln 4 = 1.39 nats). Both runs see the same rows and train for the same
+number of optimizer steps with the same effective batch (32 rows per step and GPU) and learning rate.
+
+Runs: `seed` (benchmarks/seed_recipe.py: the Transformers NVIDIA-GPU guide's QLoRA recipe), `ours` (the project's
+training worker, tasks/train_worker.py, with its defaults and memory planner), `ours-2gpu` (the same on two GPUs,
+DDP), and `ours-<label>` variants with extra config overrides (`--variant label:key=value,key=value`). Each run is a
+fresh process; the device is synchronised at every step boundary; steady state skips the warm-up steps and takes
+the median (and min/max) of tokens/s over windows of 5 steps; tokens are real (non-pad) tokens; memory is the peak
+the allocator reserved and the peak nvidia-smi showed; MFU counts 4 x (linear + lm_head parameters) FLOPs per token
+(a frozen base: forward and input-gradient backward) plus causal attention, against 989 TFLOP/s (H200 dense bf16).
+After training, each adapter's eval loss on 200 held-out rows is measured the same way for every run.
+
+Results accumulate in --state (so several calls on one machine build one report); the report is written to
+--out (default benchmarks/results/train-bench-<N>xGPU-<UTC time>/report.{md,json}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+EVAL_ROWS = 200
+SUCCESSORS = 4
+
+
+# ---------------------------------------------------------------- workload
+
+
+def markov_rows(n: int, vocab: int, seed: int, median: int = 256, sigma: float = 0.7, lo: int = 32,
+                hi: int = 1024) -> list[list[int]]:
+    """Token rows from a fixed sparse Markov chain, lengths lognormal(ln median, sigma) clipped to [lo, hi]."""
+    rng = random.Random(seed)
+    table = random.Random(1234)
+    succ = [[table.randrange(vocab) for _ in range(SUCCESSORS)] for _ in range(vocab)]
+    rows = []
+    for _ in range(n):
+        length = int(min(hi, max(lo, round(math.exp(rng.gauss(math.log(median), sigma))))))
+        tok = rng.randrange(vocab)
+        row = [tok]
+        for _ in range(length - 1):
+            tok = succ[tok][rng.randrange(SUCCESSORS)]
+            row.append(tok)
+        rows.append(row)
+    return rows
+
+
+def write_workload(path: Path, rows: int, vocab: int, smoke: bool) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if (path / "stats.json").is_file():
+        return json.loads((path / "stats.json").read_text())
+    path.mkdir(parents=True, exist_ok=True)
+    kw = dict(median=48, lo=8, hi=128) if smoke else {}
+    data = markov_rows(rows + EVAL_ROWS, vocab, seed=7, **kw)
+    train, evaluation = data[:rows], data[rows:]
+    for name, split in (("train", train), ("eval", evaluation)):
+        pq.write_table(pa.table({"input_ids": split, "labels": split}), path / f"{name}.parquet")
+    lengths = [len(r) for r in train]
+    stats = {"rows": rows, "eval_rows": EVAL_ROWS, "vocab": vocab, "tokens": sum(lengths),
+             "mean_length": round(sum(lengths) / rows, 1), "median_length": sorted(lengths)[rows // 2],
+             "max_length": max(lengths), "min_length": min(lengths)}
+    (path / "stats.json").write_text(json.dumps(stats, indent=2))
+    return stats
+
+
+# ---------------------------------------------------------------- one run
+
+
+class MemoryPoller:
+    """Peak GPU memory nvidia-smi reports for the given device ids while a run is going."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+        self.peak = 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self.done.wait(0.5):
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                return
+            for line in out.strip().splitlines():
+                index, used = (int(x) for x in line.split(","))
+                if index in self.ids:
+                    self.peak = max(self.peak, used)
+
+    def __enter__(self):
+        if self.ids:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+
+
+def run_logged(argv: list[str], env: dict, log: Path, timeout: float) -> None:
+    with open(log, "w") as f:
+        proc = subprocess.run(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, timeout=timeout)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise RuntimeError(f"{' '.join(argv[:4])}... exited {proc.returncode}:\n{tail}")
+
+
+def child_env(ids: list[int]) -> dict:
+    from tasks.launcher import worker_env
+
+    return worker_env({"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))})
+
+
+def eval_loss(base: Path, adapter: Path, data: Path, ids: list[int], log: Path) -> float:
+    """Mean token loss of base + adapter on the held-out rows, in a fresh process, the same for every run."""
+    code = (
+        "import json,sys,torch; sys.path.insert(0, %r)\n"
+        "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n"
+        "from tasks.dataset import load_split\nfrom tasks.train_worker import PadCollator\n"
+        "dev = 'cuda:0' if torch.cuda.is_available() else 'cpu'\n"
+        "dt = torch.bfloat16 if dev != 'cpu' else torch.float32\n"
+        "m = AutoModelForCausalLM.from_pretrained(%r, device_map={'': dev}, dtype=dt, attn_implementation='sdpa')\n"
+        "m = PeftModel.from_pretrained(m, %r).eval()\n"
+        "rows = load_split(__import__('pathlib').Path(%r), 'eval'); tot = n = 0.0\n"
+        "for i in range(0, len(rows), 16):\n"
+        "    b = {k: v.to(dev) for k, v in PadCollator(0)(rows[i:i+16]).items()}\n"
+        "    with torch.no_grad(): lg = m(input_ids=b['input_ids'], attention_mask=b['attention_mask']).logits.float()\n"
+        "    lab = b['labels'][:, 1:]; l = torch.nn.functional.cross_entropy(lg[:, :-1].reshape(-1, lg.size(-1)),"
+        " lab.reshape(-1), ignore_index=-100, reduction='sum')\n"
+        "    tot += float(l); n += int((lab != -100).sum())\n"
+        "print('EVAL_LOSS', tot / n)\n"
+    ) % (str(REPO), str(base), str(adapter), str(data))
+    run_logged([sys.executable, "-c", code], child_env(ids), log, timeout=1800)
+    line = next(x for x in log.read_text().splitlines() if x.startswith("EVAL_LOSS"))
+    return float(line.split()[1])
+
+
+def gpu_name(ids: list[int]) -> str:
+    from tasks.gpus import read_inventory
+
+    names = {g.index: g.name for g in read_inventory()}
+    return names.get(ids[0], "cpu") if ids else "cpu"
+
+
+def peak_tflops(name: str) -> float | None:
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+class Bench:
+    def __init__(self, args, env):
+        self.args, self.env = args, env
+        self.state = Path(args.state).resolve()
+        self.cache = self.state / "cache"
+        self.runs_dir = self.state / "runs"
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        self.gpu_ids = [g.index for g in env.gpus]
+
+    def config(self, shape: str, extra: list[str]):
+        from tasks.config import load_config
+
+        a = self.args
+        return load_config(None, [f"model.source=generated:{shape}", f"run.cache_dir={self.cache}",
+                                  f"train.max_steps={a.steps}", "train.per_device_batch_size=8",
+                                  f"train.gradient_accumulation_steps={a.accumulation}",
+                                  f"train.learning_rate={a.learning_rate}", f"train.warmup_steps={a.warmup}",
+                                  "train.logging_steps=5", f"train.save_steps={10**6}", "train.save_total_limit=1",
+                                  "hardware.gpus=" + ("cpu" if not self.gpu_ids else "auto"), *extra])
+
+    def base_model(self, shape: str) -> tuple[Path, "object", "object", "object"]:
+        """(bf16 checkpoint, the project's 4-bit QuantizedModel, cfg, plan) for a generated shape, built once."""
+        from tasks.environment import resolve_plan
+        from tasks.gpus import selection_for
+        from tasks.launcher import python_module, run_worker, write_job
+        from tasks.models import materialize_model
+        from tasks.quantize import QuantizedModel, quantize_fingerprint
+
+        cfg = self.config(shape, [])
+        sel = selection_for("0" if self.gpu_ids else "cpu", self.env.gpus)
+        plan = resolve_plan(cfg, self.env, sel)
+        started = time.perf_counter()
+        src = materialize_model(cfg.model.source, cfg.cache_root)
+        out = cfg.cache_root / "quantized" / quantize_fingerprint(cfg, plan)
+        if not (out / "quantization.json").is_file():
+            work = self.state / "work" / shape
+            job = write_job(work, "quantize", config=cfg.model_dump(mode="json"), out=str(out),
+                            compute_dtype=plan.compute_dtype, fingerprint=out.name)
+            run_worker("quantize", python_module("tasks.quantize", job), sel.env, work)
+        print(f"[{shape}] base model ready in {time.perf_counter() - started:.0f} s", flush=True)
+        return src, QuantizedModel.model_validate_json((out / "quantization.json").read_text()), cfg, plan
+
+    def record(self, name: str, result: dict) -> None:
+        (self.runs_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+
+    def run_seed(self, shape: str, data: Path, stats: dict) -> None:
+        src, base, cfg, plan = self.base_model(shape)
+        name = f"seed-{shape}"
+        out = self.state / "out" / name
+        out.mkdir(parents=True, exist_ok=True)
+        from transformers import AutoTokenizer
+
+        pad = AutoTokenizer.from_pretrained(src).pad_token_id or 0
+        job = out / "job.json"
+        job.write_text(json.dumps({"out": str(out), "model": str(src), "data": str(data), "steps": self.args.steps,
+                                   "gradient_accumulation_steps": self.args.accumulation, "seed": 42,
+                                   "learning_rate": self.args.learning_rate, "warmup_steps": self.args.warmup,
+                                   "warmup": self.args.warmup, "pad_token_id": pad}))
+        ids = self.gpu_ids[:1]
+        with MemoryPoller(ids) as mem:
+            run_logged([sys.executable, str(REPO / "benchmarks" / "seed_recipe.py"), str(job)], child_env(ids),
+                       out / "train.log", timeout=3600)
+        result = json.loads((out / "result.json").read_text())
+        result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids, out / "eval.log")
+        self.record(name, self.summarize(name, shape, ids, result, mem.peak, stats))
+
+    def run_ours(self, shape: str, data: Path, stats: dict, label: str, gpus: int, overrides: list[str],
+                 profile: bool) -> None:
+        from tasks.dataset import PreparedDataset
+        from tasks.environment import resolve_plan
+        from tasks.gpus import selection_for
+        from tasks.launcher import run_worker, torchrun_module, write_job
+        from tasks.train import liger_setting, training_plan, upcast_setting
+
+        _, base, _, _ = self.base_model(shape)
+        cfg = self.config(shape, overrides)
+        ids = self.gpu_ids[:gpus]
+        sel = selection_for(",".join(map(str, ids)) if ids else "cpu", self.env.gpus)
+        plan = resolve_plan(cfg, self.env, sel)
+        name = f"{label}-{shape}"
+        out = self.state / "out" / name
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)  # a fresh run: no resume from an earlier attempt's checkpoints
+        out.mkdir(parents=True)
+        data_obj = PreparedDataset(path=data, fingerprint="bench", format="text", train_rows=stats["rows"],
+                                   eval_rows=EVAL_ROWS, train_tokens=stats["tokens"], truncated=0, dropped=0)
+        tplan = training_plan(cfg, data_obj, base, plan, sel)
+        extra = {}
+        if profile:
+            extra["profile"] = {"path": str(out / "profile.json"), "start": self.args.warmup + 2, "steps": 3}
+        job = write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
+                        base=str(base.path), data=str(data), load_in_4bit=base.load_in_4bit, fingerprint=name,
+                        training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
+                        upcast_frozen=upcast_setting(cfg), **extra)
+        with MemoryPoller(ids) as mem:
+            run_worker("train", torchrun_module("tasks.train_worker", job, plan.nproc), sel.env, out)
+        result = json.loads((out / "train_metrics.json").read_text())
+        result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids[:1], out / "eval.log")
+        result["overrides"] = overrides
+        if (out / "profile.json").is_file():
+            result["profile"] = json.loads((out / "profile.json").read_text())
+        self.record(name, self.summarize(name, shape, ids, result, mem.peak, stats))
+
+    def summarize(self, name: str, shape: str, ids: list[int], r: dict, smi_peak: int, stats: dict) -> dict:
+        from tasks.planner import ModelShape
+        from tasks.models import ARCHS
+
+        cfg = dict(ARCHS[shape])
+        cfg.setdefault("vocab_size", stats["vocab"])
+        mshape = ModelShape.from_config(cfg)
+        steady = r["steady_state"]["tokens_per_second"]
+        gname = gpu_name(ids)
+        peak = peak_tflops(gname)
+        mfu = None
+        if steady and peak:
+            mfu = round(steady * mshape.flops_per_token(stats["mean_length"]) / (peak * 1e12 * len(ids)), 4)
+        total_gib = None
+        if ids:
+            from tasks.gpus import read_inventory
+
+            total_gib = round(next(g.memory_total_mib for g in read_inventory() if g.index == ids[0]) / 1024, 1)
+        row = {
+            "name": name, "model": f"generated:{shape}", "gpus": len(ids), "gpu": gname,
+            "tokens_per_second": steady, "tokens_per_second_min": r["steady_state"]["min"],
+            "tokens_per_second_max": r["steady_state"]["max"], "windows": r["steady_state"]["windows"],
+            "whole_run_tokens_per_second": r["tokens_per_second"], "train_tokens": r["train_tokens"],
+            "steps": r["steps"], "peak_reserved_gib": None if r.get("peak_memory_mb") is None else
+            round(r["peak_memory_mb"] / 1024, 2),
+            "peak_allocated_gib": None if r.get("peak_allocated_mb") is None else round(r["peak_allocated_mb"] / 1024, 2),
+            "nvidia_smi_peak_gib": round(smi_peak / 1024, 2) if smi_peak else None, "gpu_total_gib": total_gib,
+            "mfu": mfu, "eval_loss": round(r["eval_loss"], 4), "final_train_loss": r["loss_curve"][-1][1],
+            "layout": r.get("layout", ""), "overrides": r.get("overrides", []),
+            "training_plan": r.get("training_plan"), "profile": r.get("profile"),
+            "flops_per_token": mshape.flops_per_token(stats["mean_length"]),
+        }
+        print(f"[{name}] {steady} tokens/s (min {row['tokens_per_second_min']}, max {row['tokens_per_second_max']}), "
+              f"peak reserved {row['peak_reserved_gib']} GiB, eval loss {row['eval_loss']}", flush=True)
+        return row
+
+
+# ---------------------------------------------------------------- report
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for d in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel", "flash-attn-4",
+              "triton", "prefect"):
+        try:
+            out[d] = md.version(d)
+        except md.PackageNotFoundError:
+            out[d] = None
+    return out
+
+
+def build_report(state: Path, env, command: str) -> dict:
+    runs = [json.loads(p.read_text()) for p in sorted((state / "runs").glob("*.json"))]
+    by = {r["name"]: r for r in runs}
+    speedup: dict[str, float | None] = {}
+    quality: dict[str, float | None] = {}
+    for r in runs:
+        if r["name"].startswith("seed-"):
+            shape = r["name"][5:]
+            ours = by.get(f"ours-{shape}")
+            if ours and ours["tokens_per_second"] and r["tokens_per_second"]:
+                speedup[shape] = round(ours["tokens_per_second"] / r["tokens_per_second"], 2)
+                quality[shape] = round((ours["eval_loss"] - r["eval_loss"]) / r["eval_loss"], 4)
+    for r in runs:
+        if r["name"].startswith("ours-2gpu-"):
+            one = by.get("ours-" + r["name"][len("ours-2gpu-"):])
+            if one and one["tokens_per_second"] and r["tokens_per_second"]:
+                speedup["ddp_2gpu_scaling"] = round(r["tokens_per_second"] / one["tokens_per_second"], 2)
+    workload = {p.parent.name: json.loads(p.read_text()) for p in (state / "workload").glob("*/stats.json")}
+    return {"date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"), "command": command,
+            "host": platform.node(), "python": platform.python_version(),
+            "gpus": [g.model_dump() for g in env.gpus], "driver": env.driver_version, "cuda": env.cuda_version,
+            "versions": versions(), "workload": workload, "runs": runs, "speedup": speedup,
+            "eval_loss_relative_to_seed": quality,
+            "flop_model": "4 x (linear + lm_head params) per token (frozen base: forward + input-gradient backward) "
+                          "+ causal attention (QK^T and PV, backward 2x forward); MFU against 989 TFLOP/s dense bf16"}
+
+
+def markdown(rep: dict) -> str:
+    gpus = rep["gpus"]
+    head = f"{len(gpus)} x {gpus[0]['name']}" if gpus else "CPU"
+    lines = [f"# Training benchmark: {head}", "", f"- date: {rep['date']}", f"- command: `{rep['command']}`",
+             f"- driver {rep['driver']}, CUDA {rep['cuda']}, python {rep['python']}",
+             "- versions: " + ", ".join(f"{k} {v}" for k, v in rep["versions"].items() if v),
+             f"- FLOP model: {rep['flop_model']}", ""]
+    for name, w in rep["workload"].items():
+        lines.append(f"- workload `{name}`: {w['rows']} rows, lengths median {w['median_length']}, mean "
+                     f"{w['mean_length']}, {w['min_length']}..{w['max_length']}; {w['tokens']} tokens")
+    lines += ["", "| run | GPUs | tokens/s (steady, median) | min..max | MFU | peak reserved GiB | nvidia-smi GiB | "
+              "eval loss | layout |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rep["runs"]:
+        lines.append(f"| {r['name']} | {r['gpus']} | {r['tokens_per_second']} | {r['tokens_per_second_min']}.."
+                     f"{r['tokens_per_second_max']} | {r['mfu']} | {r['peak_reserved_gib']} | "
+                     f"{r['nvidia_smi_peak_gib']} | {r['eval_loss']} | {r['layout']} |")
+    lines += ["", "## Speedup (ours / seed, steady-state real tokens/s)", ""]
+    lines += [f"- {k}: {v}" for k, v in rep["speedup"].items()]
+    lines += ["", "## Eval loss of ours relative to the seed (same steps and effective batch)", ""]
+    lines += [f"- {k}: {v:+.2%}" for k, v in rep["eval_loss_relative_to_seed"].items()]
+    for r in rep["runs"]:
+        if r.get("profile"):
+            p = r["profile"]
+            lines += ["", f"## Profile: {r['name']} ({p['wall_ms_per_step']} ms/step, GPU idle "
+                      f"{p['gpu_idle_share']:.0%})", "", "| category | ms/step | share of wall |", "|---|---|---|"]
+            lines += [f"| {k} | {v} | {p['share_of_wall'].get(k, 0):.1%} |" for k, v in p["kernel_ms_per_step"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tasks.environment import run_probe
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
+    parser.add_argument("--runs", default="seed,ours,ours-2gpu", help="seed, ours, ours-2gpu (where 2 GPUs)")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL:key=value,...",
+                        help="an extra run of ours with config overrides, named ours-LABEL")
+    parser.add_argument("--profile", action="store_true", help="profile 3 steady steps of each ours run")
+    parser.add_argument("--rows", type=int, default=4000)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the steady state")
+    parser.add_argument("--accumulation", type=int, default=4, help="x 8 rows = the effective batch per GPU")
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--state", default="/tmp/finetune-flows-train-bench")
+    parser.add_argument("--out", help="report directory (default benchmarks/results/train-bench-<N>xGPU-<time>)")
+    parser.add_argument("--report-only", action="store_true", help="write the report from --state and stop")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU: the machinery end to end")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.shapes, args.rows, args.steps, args.warmup, args.accumulation = "tiny-llama", 160, 8, 2, 1
+        args.runs = "seed,ours"
+    state = Path(args.state)
+    env = run_probe(state / "probe")
+    command = "python benchmarks/train_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    bench = Bench(args, env)
+    if not args.report_only:
+        from tasks.models import ARCHS, materialize_tokenizer
+
+        for shape in [s for s in args.shapes.split(",") if s]:
+            vocab = ARCHS[shape].get("vocab_size")
+            if vocab is None:  # tiny-llama: the generated tokenizer's size
+                from transformers import AutoTokenizer
+
+                vocab = len(AutoTokenizer.from_pretrained(materialize_tokenizer(f"generated:{shape}", bench.cache)))
+            data = state / "workload" / f"{shape}-{args.rows}"
+            stats = write_workload(data, args.rows, min(vocab, 32768), args.smoke)
+            for run in [r for r in args.runs.split(",") if r]:
+                if run == "seed":
+                    bench.run_seed(shape, data, stats)
+                elif run == "ours":
+                    bench.run_ours(shape, data, stats, "ours", 1, [], args.profile)
+                elif run == "ours-2gpu":
+                    if len(bench.gpu_ids) >= 2:
+                        bench.run_ours(shape, data, stats, "ours-2gpu", 2, [], False)
+                    else:
+                        print(f"[{shape}] ours-2gpu skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
+                else:
+                    raise SystemExit(f"unknown run {run!r}")
+            for variant in args.variant:
+                label, _, kv = variant.partition(":")
+                bench.run_ours(shape, data, stats, f"ours-{label}", 1, [x for x in kv.split(",") if x], args.profile)
+    report = build_report(state, env, command)
+    out = Path(args.out) if args.out else (REPO / "benchmarks" / "results" /
+                                           f"train-bench-{len(env.gpus)}xGPU-{report['date']}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(markdown(report))
+    print(markdown(report))
+    print(f"report: {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Where a training step's time goes: a short torch.profiler window, kernels grouped by what they do.
+
+Used by the training benchmark (`benchmarks/train_speed.py --profile`) through the job field `profile`: steps
+`start..start+steps` are recorded, the CUDA kernels' self time is summed per category (attention, GEMM,
+4-bit dequantization, cross-entropy, normalisation/elementwise, optimizer, communication, other), and the share of
+wall time the GPU was idle (launch overhead, Python, data loading) is what is left.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+CATEGORIES = [  # first match wins
+    ("attention", r"flash|fmha|attention|varlen|sdpa|softmax.*fwd|_attn"),
+    ("dequantize", r"dequant|kdequant|kQuantize|4bit|nf4|gemv_4bit"),
+    ("cross_entropy", r"cross_entropy|liger.*ce|log_softmax|nll_loss"),
+    ("gemm", r"gemm|xmma|cutlass|matmul|sm90_|sm80_|cublas|wgmma|nvjet"),
+    ("communication", r"nccl|allreduce|all_reduce|broadcast"),
+    ("optimizer", r"adam|multi_tensor|foreach|optim"),
+    ("norm_rope_act", r"rms|norm|rope|rotary|silu|swiglu|gelu|liger"),
+    ("elementwise_copy", r"elementwise|vectorized|copy|cast|fill|cat|index|reduce|memcpy|memset|where|mul|add"),
+]
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for category, pattern in CATEGORIES:
+        if re.search(pattern, low):
+            return category
+    return "other"
+
+
+def summarize(prof, wall_seconds: float, steps: int) -> dict:
+    """Kernel time per category (ms per step) and the GPU-idle remainder, from a finished profiler."""
+    kernels: dict[str, float] = {}
+    for evt in prof.key_averages():
+        device_us = getattr(evt, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(evt, "self_cuda_time_total", 0)
+        if device_us and getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
+            kernels[evt.key] = kernels.get(evt.key, 0.0) + device_us / 1e3
+    by_cat: dict[str, float] = {}
+    for name, ms in kernels.items():
+        by_cat[categorize(name)] = by_cat.get(categorize(name), 0.0) + ms
+    wall_ms = wall_seconds * 1e3
+    busy = sum(by_cat.values())
+    per_step = {k: round(v / steps, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return {"steps": steps, "wall_ms_per_step": round(wall_ms / steps, 2),
+            "kernel_ms_per_step": per_step, "gpu_busy_ms_per_step": round(busy / steps, 2),
+            "gpu_idle_share": round(max(0.0, 1 - busy / wall_ms), 3) if wall_ms else None,
+            "share_of_wall": {k: round(v / wall_ms, 3) for k, v in by_cat.items()} if wall_ms else {},
+            "top_kernels_ms_per_step": [(n[:120], round(ms / steps, 3)) for n, ms in top]}
+
+
+def profiler_callback(path: Path, start: int, steps: int):
+    """A TrainerCallback that profiles optimizer steps start+1 .. start+steps and writes the summary to `path`."""
+    import time
+
+    import torch
+    from transformers import TrainerCallback
+
+    class Profile(TrainerCallback):
+        def __init__(self):
+            self.prof = None
+            self.t0 = 0.0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == start and self.prof is None:
+                torch.cuda.synchronize()
+                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                               torch.profiler.ProfilerActivity.CUDA])
+                self.prof.__enter__()
+                self.t0 = time.perf_counter()
+            elif self.prof is not None and state.global_step == start + steps:
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - self.t0
+                self.prof.__exit__(None, None, None)
+                if state.is_world_process_zero:
+                    Path(path).write_text(json.dumps(summarize(self.prof, wall, steps), indent=2))
+                self.prof = None
+
+    return Profile()
