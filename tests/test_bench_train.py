@@ -1,0 +1,32 @@
+"""`make bench-train` end to end on the CPU with a tiny model: the seed recipe and the project's path, one report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_training_benchmark_smoke_run_writes_the_report(tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "benchmarks/train_speed.py", "--smoke", "--state", str(tmp_path / "state"),
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    names = {r["name"] for r in report["runs"]}
+    assert names == {"seed-tiny-llama", "ours-tiny-llama"}
+    for run in report["runs"]:
+        for key in ("name", "model", "gpus", "tokens_per_second", "peak_reserved_gib", "mfu", "eval_loss"):
+            assert key in run
+        assert run["tokens_per_second"] > 0 and run["eval_loss"] > 0 and run["train_tokens"] > 0
+    assert report["speedup"]["tiny-llama"] > 0
+    assert abs(report["eval_loss_relative_to_seed"]["tiny-llama"]) < 0.05
+    ours = next(r for r in report["runs"] if r["name"] == "ours-tiny-llama")
+    assert ours["layout"].startswith("packed") and ours["training_plan"]["packing"]
+    assert "| seed-tiny-llama |" in (out / "report.md").read_text()

@@ -1,0 +1,148 @@
+"""Packed training batches: the same logits, loss and labels as one row at a time, and a schedule that is fair to
+every rank and unchanged by an out-of-memory split."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tasks.attention import packed_kernel_for, use_packed_attention, varlen_attention
+from tasks.dataset import IGNORE_INDEX
+from tasks.packing import PackedCollator, build_schedule, fill_packs, split_pack
+
+
+def tiny_qwen3(kv_heads: int = 2):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen3", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16,
+                               max_position_embeddings=512)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def random_rows(lengths, prompt: int = 3, seed: int = 0):
+    rng = random.Random(seed)
+    rows = []
+    for n in lengths:
+        ids = [rng.randrange(300) for _ in range(n)]
+        rows.append({"input_ids": ids, "labels": [IGNORE_INDEX] * min(prompt, n) + ids[prompt:]})
+    return rows
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])  # plain multi-head and grouped-query attention
+def test_packed_logits_equal_per_row_logits(kv_heads):
+    model = tiny_qwen3(kv_heads)
+    rows = random_rows([5, 17, 9, 30, 1])
+    with torch.no_grad():
+        per_row = torch.cat([model(input_ids=torch.tensor([r["input_ids"]])).logits[0] for r in rows])
+        use_packed_attention(model, "rows")
+        packed = model(**PackedCollator(0)([rows])).logits[0]
+    assert packed.shape == per_row.shape
+    torch.testing.assert_close(packed, per_row, rtol=1e-5, atol=1e-5)
+
+
+def test_no_token_attends_across_rows():
+    """Changing one row's tokens leaves every other row's logits exactly as they were."""
+    model = tiny_qwen3()
+    use_packed_attention(model, "rows")
+    rows = random_rows([12, 20, 8])
+    changed = [rows[0], random_rows([20], seed=99)[0], rows[2]]
+    with torch.no_grad():
+        a = model(**PackedCollator(0)([rows])).logits[0]
+        b = model(**PackedCollator(0)([changed])).logits[0]
+    torch.testing.assert_close(a[:12], b[:12])
+    torch.testing.assert_close(a[32:], b[32:])
+    assert not torch.allclose(a[12:32], b[12:32])
+
+
+def test_packed_loss_equals_the_token_weighted_per_row_loss():
+    model = tiny_qwen3()
+    rows = random_rows([6, 25, 14], prompt=4)
+    with torch.no_grad():
+        sums = []
+        for r in rows:
+            out = model(input_ids=torch.tensor([r["input_ids"]]), labels=torch.tensor([r["labels"]]))
+            n = sum(1 for x in r["labels"][1:] if x != IGNORE_INDEX)
+            sums.append((float(out.loss) * n, n))
+        use_packed_attention(model, "rows")
+        packed = float(model(**PackedCollator(0)([rows])).loss)
+    assert packed == pytest.approx(sum(s for s, _ in sums) / sum(n for _, n in sums), rel=1e-5)
+
+
+def test_masking_is_preserved_and_rows_never_predict_the_next_row():
+    rows = random_rows([5, 7], prompt=3)
+    batch = PackedCollator(0)([rows])
+    labels = batch["labels"][0].tolist()
+    assert labels[:5] == [IGNORE_INDEX] * 3 + rows[0]["input_ids"][3:]
+    # the second row's first label is ignored (its own prompt here anyway), the rest is its own labels
+    assert labels[5:] == [IGNORE_INDEX] + rows[1]["labels"][1:]
+    assert batch["position_ids"][0].tolist() == list(range(5)) + list(range(7))
+    assert batch["cu_seq_lens_q"].tolist() == [0, 5, 12] and batch["max_length_q"] == 7
+    assert isinstance(batch["max_length_q"], int)  # varlen kernels want a host int, not a tensor
+    text_row = {"input_ids": [1, 2, 3], "labels": [1, 2, 3]}  # text format: every token has a label
+    assert PackedCollator(0)([[text_row, text_row]])["labels"][0].tolist() == [IGNORE_INDEX, 2, 3, IGNORE_INDEX, 2, 3]
+
+
+def test_varlen_rows_kernel_matches_dense_causal_attention_per_row():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    out = varlen_attention(q, k, v, cu, 7, 8 ** -0.5, "rows")
+    for a, b in ((0, 3), (3, 10)):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].repeat_interleave(2, 1).transpose(0, 1),
+            v[a:b].repeat_interleave(2, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+        torch.testing.assert_close(out[a:b], ref)
+
+
+def test_kernel_choice_follows_the_backend_and_falls_back_on_the_cpu():
+    assert packed_kernel_for("flash_attention_4", on_gpu=False) == "rows"
+    assert packed_kernel_for("flash_attention_4", on_gpu=True) == "fa4"
+    assert packed_kernel_for("flash_attention_2", on_gpu=True) == "fa2"
+    assert packed_kernel_for("eager", on_gpu=True) == "rows"
+
+
+def test_packs_respect_the_budget_and_cover_every_row_once_per_epoch():
+    rng = random.Random(3)
+    lengths = [rng.randint(10, 300) for _ in range(500)]
+    packs = fill_packs(lengths, list(range(500)), 1000)
+    assert sorted(i for p in packs for i in p) == list(range(500))
+    assert all(sum(lengths[i] for i in p) <= 1000 for p in packs)
+    assert fill_packs([50, 5000, 50], [0, 1, 2], 1000) == [[0], [1], [2]]  # a longer row gets a pack of its own
+
+
+def test_schedule_balances_ranks_by_tokens():
+    rng = random.Random(4)
+    lengths = [max(32, min(1024, int(rng.lognormvariate(5.5, 0.7)))) for _ in range(2000)]
+    s = build_schedule(lengths, budget=8000, accumulation=2, world=2, seed=1, max_steps=20)
+    assert s.steps == 20 and s.accumulation == 2 and len(s.micro_batches) == 20 * 2 * 2
+    per_rank = [sum(lengths[i] for mb in s.micro_batches[r::2] for i in mb) for r in range(2)]
+    assert abs(per_rank[0] - per_rank[1]) / max(per_rank) < 0.02  # within 2%: no straggler waits
+    assert s == build_schedule(lengths, budget=8000, accumulation=2, world=2, seed=1, max_steps=20)
+
+
+def test_an_oom_split_keeps_every_optimizer_step_on_the_same_rows():
+    rng = random.Random(5)
+    lengths = [rng.randint(20, 400) for _ in range(600)]
+    whole = build_schedule(lengths, budget=3000, accumulation=2, world=2, seed=7, max_steps=6)
+    halves = build_schedule(lengths, budget=3000, accumulation=2, world=2, seed=7, max_steps=6, split=2)
+    assert halves.accumulation == 4 and len(halves.micro_batches) == 2 * len(whole.micro_batches)
+
+    def rows_of(schedule, rank, step):
+        per_rank = schedule.micro_batches[rank::2]
+        return sorted(i for mb in per_rank[step * schedule.accumulation:(step + 1) * schedule.accumulation] for i in mb)
+
+    for rank in range(2):
+        for step in range(6):
+            assert rows_of(whole, rank, step) == rows_of(halves, rank, step)
+
+
+def test_split_pack_keeps_order_and_balance():
+    lengths = [100, 100, 100, 100]
+    assert split_pack([0, 1, 2, 3], lengths, 2) == [[0, 1], [2, 3]]
+    assert split_pack([0], lengths, 2) == [[], [0]] or split_pack([0], lengths, 2) == [[0], []]
+    empty = PackedCollator(7)([[]])  # an empty piece is one ignored token: every DDP rank stays in step
+    assert empty["input_ids"].tolist() == [[7]] and empty["labels"].tolist() == [[IGNORE_INDEX]]
