@@ -102,14 +102,24 @@ def ray_cluster():
     pytest.importorskip("ray.train", reason="the `ray` extra (make test installs it)")
     from ray.cluster_utils import Cluster
 
-    node = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
+    # Everything on the loopback interface: Ray's single-machine mode (otherwise it advertises the host's address)
+    loopback = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
+    saved = {k: os.environ.get(k) for k in loopback}
+    os.environ.update(loopback)  # read by the raylets, their workers and the driver the training step starts
+    node = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={**node, "include_dashboard": False})
     try:
         cluster.add_node(**node)
         cluster.wait_for_nodes(timeout=120)
+        assert cluster.address.startswith("127.0.0.1:")
         yield cluster
     finally:
         cluster.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def ray_overrides(cache: Path, runs: Path, cluster, **extra) -> list[str]:
@@ -173,10 +183,15 @@ def test_two_torchrun_nodes_on_localhost_match_two_ranks_on_one_host(two_rank_re
     node_caches = [tmp_path / "node0-cache", tmp_path / "node1-cache"]
     for cache in node_caches:  # the same inputs on each node's disk
         shutil.copytree(shared_cache / "scale", cache, ignore=shutil.ignore_patterns("adapters", "evaluations"))
+    defaults = tmp_path / "defaults.yaml"  # the CLI's default is configs/demo.yaml; the reference ran on defaults
+    defaults.write_text("{}\n")
     endpoint = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
+    # one thread per rank, as torchrun sets for the 2-rank reference (another thread count sums in another order);
+    # gloo on the loopback interface
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "GLOO_SOCKET_IFNAME": "lo"}
     procs = [subprocess.Popen(
-        [sys.executable, "flows/finetune.py", *[f"--set={o}" for o in tiny_overrides(
+        [sys.executable, "flows/finetune.py", f"--config={defaults}", *[f"--set={o}" for o in tiny_overrides(
             cache, tmp_path / f"runs{i}", **{"hardware.nodes": 2, "hardware.rdzv_endpoint": endpoint})]],
         cwd=REPO, env={**env, "FINETUNE_FLOWS_CACHE": str(cache)}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True) for i, cache in enumerate(node_caches)]
