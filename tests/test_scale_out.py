@@ -76,10 +76,13 @@ def test_launch_settings_that_cannot_work_are_refused_together():
 
 
 def test_resume_point_without_a_process_group_is_the_newest_complete_checkpoint(tmp_path):
-    for step in (5, 10):
+    from tasks.train_worker import write_checkpoint_manifest
+
+    for step in (5, 10, 15):
         (tmp_path / f"checkpoint-{step}").mkdir()
         (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    (tmp_path / "checkpoint-15").mkdir()  # killed while saving
+        if step < 15:  # 15: killed while saving, before its manifest
+            write_checkpoint_manifest(tmp_path / f"checkpoint-{step}")
     assert agreed_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
     assert agreed_checkpoint(tmp_path / "missing") is None
 
