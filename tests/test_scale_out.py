@@ -75,6 +75,17 @@ def test_launch_settings_that_cannot_work_are_refused_together():
         load_config(None, ["hardware.nodes=2", "hardware.rdzv_endpoint=no-port"])
 
 
+def test_gpus_per_node_must_match_what_torchrun_starts_here():
+    from tasks.distributed import plan_problems
+
+    assert plan_problems(load_config(None, ["hardware.gpus_per_node=1"]), CPU_PLAN) == []
+    problems = plan_problems(load_config(None, ["hardware.gpus_per_node=2"]), CPU_PLAN)
+    assert problems and "hardware.cpu_processes=1" in problems[0]
+    gpu_plan = CPU_PLAN.model_copy(update={"device": "cuda", "gpu_ids": [0, 1, 2, 3], "nproc": 4})
+    assert "selects 4 GPU(s)" in plan_problems(load_config(None, ["hardware.gpus_per_node=8"]), gpu_plan)[0]
+    assert plan_problems(load_config(None, ["hardware.launcher=ray", "hardware.gpus_per_node=8"]), gpu_plan) == []
+
+
 def test_resume_point_without_a_process_group_is_the_newest_complete_checkpoint(tmp_path):
     from tasks.train_worker import write_checkpoint_manifest
 
