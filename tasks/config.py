@@ -163,6 +163,36 @@ class HardwareConfig(Section):
         1, ge=1, le=64, description="Training ranks when no GPU is selected (DDP over gloo); GPU runs use one rank "
         "per selected GPU."
     )
+    launcher: Literal["torchrun", "ray"] = Field(
+        "torchrun",
+        description="How training ranks start: `torchrun` (this host, or with `nodes` > 1 one torchrun per node "
+        "meeting at `rdzv_endpoint`), or `ray` (Ray Train workers on the existing Ray cluster at `ray_address`; "
+        "needs `pip install .[ray]`).",
+    )
+    nodes: int = Field(
+        1, ge=1, le=1024,
+        description="Nodes taking part in training. torchrun: every node runs this same flow (a Prefect worker "
+        "per node, or one SLURM task per node) and their launchers meet at `rdzv_endpoint`; ray: Ray Train "
+        "workers = nodes x gpus_per_node.",
+    )
+    gpus_per_node: int | None = Field(
+        None, ge=1, le=64,
+        description="torchrun: ranks per node, which is the GPUs `gpus` selects here (`cpu_processes` without "
+        "GPUs); set it only as a check. ray: workers per node, one GPU each (CPU workers over gloo when "
+        "`gpus: cpu`); default 1.",
+    )
+    rdzv_endpoint: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}$",
+        description="torchrun with nodes > 1: `host:port` of the c10d rendezvous, the same on every node (e.g. "
+        "the first node's address and a free port such as 29400). The rendezvous id is the training run's id "
+        "(its content fingerprint), so the nodes of one run meet and those of another do not.",
+    )
+    ray_address: str = Field(
+        "auto",
+        description="ray: the Ray cluster to train on, as `ray.init(address=...)` takes it: `auto` (the cluster "
+        "this host has joined with `ray start`) or the head's `host:port`. The flow runs on a node of that "
+        "cluster, and the cache directory must be storage every Ray node reaches at the same path.",
+    )
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -246,6 +276,18 @@ def _describe(errors: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def launch_problems(h: HardwareConfig) -> list[str]:
+    problems = []
+    if h.launcher == "torchrun" and h.nodes > 1 and h.rdzv_endpoint is None:
+        problems.append(f"hardware.nodes={h.nodes} with torchrun needs hardware.rdzv_endpoint (host:port of the "
+                        "rendezvous, the same on every node)")
+    if h.launcher == "ray" and h.rdzv_endpoint is not None:
+        problems.append("hardware.rdzv_endpoint is for torchrun; Ray Train connects its workers itself")
+    if h.launcher == "torchrun" and h.ray_address != "auto":
+        problems.append("hardware.ray_address is for hardware.launcher=ray")
+    return problems
+
+
 def consistency_problems(cfg: FinetuneConfig) -> list[str]:
     """Combinations that cannot work, whatever the machine."""
     problems = []
@@ -256,6 +298,7 @@ def consistency_problems(cfg: FinetuneConfig) -> list[str]:
         problems.append("train.precision=bf16 with quantization.compute_dtype=float16: pick one dtype")
     if t.optimizer.startswith("paged_") and not q.load_in_4bit:
         problems.append(f"train.optimizer={t.optimizer} needs bitsandbytes; it is meant for 4-bit runs")
+    problems += launch_problems(cfg.hardware)
     if cfg.data.eval_source is None and cfg.data.max_samples is not None and cfg.data.max_samples < 10:
         problems.append("data.max_samples < 10 leaves too few rows to hold some out for evaluation")
     return problems

@@ -228,6 +228,10 @@ def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentR
     env = run_probe(run_dir / "work")
     choose_gpu_ids(cfg.hardware.gpus, env.gpus)  # raises EnvironmentMismatch naming the missing GPU
     plan = resolve_plan(cfg, env, selection_for(cfg.hardware.gpus, env.gpus))
+    from tasks.distributed import plan_problems  # imports this module
+
+    if problems := plan_problems(cfg, plan):
+        raise EnvironmentMismatch(problems, "config vs environment")
     md = report_markdown(env, plan)
     (run_dir / "environment.md").write_text(md)
     create_markdown_artifact(md, key="environment-report", description="Machine, stack and resolved plan")

@@ -70,10 +70,11 @@ def run_worker(
         for line in proc.stdout:
             line = line.rstrip("\n")
             log.write(line + "\n")
-            if line.startswith(EVENT_PREFIX):
+            at = line.find(EVENT_PREFIX)  # Ray prefixes its workers' lines with "(RayTrainWorker pid=...) "
+            if at >= 0:
                 if on_event is not None:
                     try:
-                        on_event(json.loads(line[len(EVENT_PREFIX):]))
+                        on_event(json.loads(line[at + len(EVENT_PREFIX):]))
                     except Exception as exc:  # a monitoring hiccup must not kill training
                         logger.warning("could not handle event %r: %s", line, exc)
                 continue

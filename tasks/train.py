@@ -16,11 +16,12 @@ from pydantic import BaseModel
 from tasks.concurrency import produce_on_devices
 from tasks.config import FinetuneConfig
 from tasks.dataset import PreparedDataset
+from tasks.distributed import fingerprint_parts, train_command
 from tasks.environment import Plan
 from tasks.errors import UserInputError, retry_unless_user_error
 from tasks.fingerprint import code_version, combine
 from tasks.gpus import GpuSelection
-from tasks.launcher import run_logger, run_worker, torchrun_module, write_job
+from tasks.launcher import run_logger, run_worker, write_job
 from tasks.planner import ModelShape, TrainingPlan, plan_training
 from tasks.quantize import QuantizedModel
 from tasks.train_worker import last_checkpoint
@@ -60,7 +61,8 @@ def train_fingerprint(cfg: FinetuneConfig, data: PreparedDataset, base: Quantize
     return combine(data.fingerprint, base.fingerprint, cfg.lora.fingerprint(),
                    cfg.train.model_dump(mode="json", exclude={"retries", "retry_delay_seconds", "logging_steps"}),
                    plan.nproc, plan.device, plan.precision, plan.train_attn,
-                   code_version("train", "train_worker", "packing", "attention", "planner"))
+                   code_version("train", "train_worker", "packing", "attention", "planner", "distributed"),
+                   *fingerprint_parts(cfg, plan))
 
 
 def row_lengths(data: PreparedDataset) -> list[int]:
@@ -178,7 +180,7 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
                         base=str(base.path), data=str(data.path), load_in_4bit=base.load_in_4bit,
                         fingerprint=fingerprint, training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
                         upcast_frozen=upcast_setting(cfg))
-        run_worker("train", torchrun_module("tasks.train_worker", job, plan.nproc), gpus.env, out,
+        run_worker("train", train_command(cfg, plan, job, fingerprint), gpus.env, out,
                    on_event=ProgressReporter(cfg.train.max_steps))
 
     produce_on_devices(metrics, gpus.ids, launch)

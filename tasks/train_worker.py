@@ -20,6 +20,7 @@ from typing import Any
 
 from tasks.config import FinetuneConfig
 from tasks.dataset import IGNORE_INDEX, load_split
+from tasks.distributed import checkpoint_step, gather, is_writer, prepare_ranks
 from tasks.environment import Plan
 from tasks.launcher import emit_event, worker_main
 from tasks.planner import TrainingPlan
@@ -160,10 +161,11 @@ def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: f
 
         def on_save(self, args, state, control, **kwargs):
             clock.saved()
-            if state.is_world_process_zero:
+            if state.is_world_process_zero or (args.save_on_each_node and state.is_local_process_zero):
                 ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
                 if ckpt.is_dir():
                     write_checkpoint_manifest(ckpt)
+            if state.is_world_process_zero:
                 emit_event("checkpoint", step=state.global_step)
 
     return Events()
@@ -269,13 +271,14 @@ def _train(job: dict) -> dict | None:
         use_liger_kernel=use_liger,
         liger_kernel_config={"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True},
     )
-    resume = last_checkpoint(out / "checkpoints")
+    last_checkpoint(out / "checkpoints")  # removes a checkpoint left half-written
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collator)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     clock = StepClock(collator, torch.cuda.synchronize if on_gpu else (lambda: None))
     trainer.add_callback(_callbacks(batch_args["max_steps"], collator, clock, out, started))
+    shared, resume = prepare_ranks(trainer, out)  # who writes, where to resume from: tasks/distributed.py
     if job.get("profile") and on_gpu:  # the training benchmark's "where does the time go" window
         from tasks.profiling import profiler_callback
 
@@ -299,12 +302,9 @@ def _train(job: dict) -> dict | None:
               "peak_reserved_mb": peak_reserved, "peak_allocated_mb": peak_allocated,
               "device_name": torch.cuda.get_device_name() if on_gpu else "cpu", "steps": clock.steps}
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
-    records = [record]
-    if backend is not None:
-        records = [None] * world
-        dist.all_gather_object(records, record)  # bookkeeping through the process group, not a shared directory
+    records = gather(record)  # bookkeeping through the process group, not a shared directory
     (out / "ranks" / f"rank-{rank}.pid").unlink(missing_ok=True)
-    if not trainer.is_world_process_zero():
+    if not is_writer(shared):
         return None
 
     adapter = out / "adapter"
@@ -326,7 +326,7 @@ def _train(job: dict) -> dict | None:
         peak_memory_mb=round(max(r["peak_reserved_mb"] for r in records), 1),
         peak_allocated_mb=round(max(r["peak_allocated_mb"] for r in records), 1),
         steady_tokens_per_second=steady["tokens_per_second"], steady_state=steady,
-        resumed_from_step=int(resume.name.split("-")[-1]) if resume else None,
+        resumed_from_step=checkpoint_step(resume) if resume else None,
         backend=backend, rank_steps=[r["global_step"] for r in records],
         devices=[r["device_name"] for r in records], rank_tokens=[r["tokens"] for r in records],
         training_plan=tplan.model_dump(), micro_batch_split=split, layout=layout,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +58,25 @@ def tiny_overrides(cache: Path, runs: Path, **extra: object) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def kill_rank_after_checkpoint(adapters: Path, rank: int, checkpoint_glob: str, timeout: float = 300):
+    """In a thread: SIGKILL training rank `rank` (its pid file `adapters/*/ranks/rank-N.pid`) as soon as its output
+    directory holds a file matching `checkpoint_glob`, as the OOM killer or a preemption would. Returns the thread
+    and a dict that gets the killed pid."""
+    killed: dict[str, int] = {}
+
+    def killer() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not killed:
+            for pid_file in adapters.glob(f"*/ranks/rank-{rank}.pid") if adapters.exists() else []:
+                if list(pid_file.parent.parent.glob(checkpoint_glob)):
+                    pid = int(pid_file.read_text())
+                    os.kill(pid, signal.SIGKILL)
+                    killed["pid"] = pid
+                    return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    return thread, killed

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import tiny_overrides
+from conftest import kill_rank_after_checkpoint, tiny_overrides
 from flows.finetune import finetune, main
 from tasks.errors import DataError
 
@@ -93,22 +90,9 @@ def test_killed_training_resumes_from_its_checkpoint_on_retry(prefect_server, sh
     overrides = tiny_overrides(shared_cache / "resume", tmp_path, **{
         "train.max_steps": 30, "train.save_steps": 5, "train.logging_steps": 5, "train.retries": 1,
         "train.save_total_limit": 20})
-    adapters = shared_cache / "resume" / "adapters"
-    killed: dict[str, int] = {}
-
-    def killer() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not killed:
-            for pid_file in adapters.glob("*/ranks/rank-0.pid") if adapters.exists() else []:
-                if list(pid_file.parent.parent.glob("checkpoints/checkpoint-*/trainer_state.json")):
-                    pid = int(pid_file.read_text())
-                    os.kill(pid, signal.SIGKILL)  # like the OOM killer: torchrun sees its rank die and fails
-                    killed["pid"] = pid
-                    return
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
+    # like the OOM killer: torchrun sees its rank die and fails
+    thread, killed = kill_rank_after_checkpoint(shared_cache / "resume" / "adapters", 0,
+                                                "checkpoints/checkpoint-*/trainer_state.json")
     result = finetune(None, overrides)
     thread.join(timeout=5)
     assert killed, "the training process was never killed"
