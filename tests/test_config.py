@@ -58,10 +58,15 @@ def test_override_errors_name_the_key():
 
 def test_impossible_combinations():
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["train.save_steps=50", "train.max_steps=10", "train.precision=fp16",
-                           "quantization.compute_dtype=bfloat16"])
+        load_config(None, ["train.precision=fp16", "quantization.compute_dtype=bfloat16",
+                           "train.optimizer=paged_adamw_8bit", "quantization.load_in_4bit=false"])
     assert len(info.value.problems) == 2
-    assert "no checkpoint would be written" in str(info.value)
+    assert "pick one dtype" in str(info.value) and "paged_adamw_8bit needs bitsandbytes" in str(info.value)
+
+
+def test_checkpoint_cadence_adapts_to_short_runs():
+    # a run shorter than save_steps still checkpoints (at its last step): no error for `--set train.max_steps=5`
+    assert load_config("configs/demo.yaml", ["train.max_steps=5"]).train.save_steps == 10
 
 
 @pytest.mark.parametrize("spec", ["auto", "auto:2", "cpu", "none", "0", "2,0", "0, 1"])

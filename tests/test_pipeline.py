@@ -149,14 +149,19 @@ def test_four_bit_checkpoint_loads_as_bitsandbytes_layers(first_run):
     assert layers[0].weight.quant_state.quant_type == "nf4" and layers[0].weight.dtype == torch.uint8
 
 
-def test_resume_skips_a_checkpoint_left_half_written(tmp_path):
-    from tasks.train_worker import last_checkpoint
+def test_resume_skips_a_checkpoint_left_half_written_or_missing_a_file(tmp_path):
+    from tasks.train_worker import last_checkpoint, write_checkpoint_manifest
 
     ckpts = tmp_path / "checkpoints"
-    (ckpts / "checkpoint-5").mkdir(parents=True)
-    (ckpts / "checkpoint-5" / "trainer_state.json").write_text("{}")
-    (ckpts / "checkpoint-10").mkdir()  # killed while saving: weights maybe, no trainer_state.json
-    (ckpts / "checkpoint-10" / "adapter_model.safetensors").write_bytes(b"partial")
+    for step in (5, 10, 15):
+        ckpt = ckpts / f"checkpoint-{step}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text("{}")
+        (ckpt / "adapter_model.safetensors").write_bytes(b"weights" * step)
+        if step != 15:
+            write_checkpoint_manifest(ckpt)  # the Trainer finished saving it
+    (ckpts / "checkpoint-10" / "adapter_model.safetensors").unlink()  # a file lost after the save
+    # checkpoint-15: killed while saving, so no manifest
     assert last_checkpoint(ckpts) == ckpts / "checkpoint-5"
-    assert not (ckpts / "checkpoint-10").exists()
+    assert not (ckpts / "checkpoint-10").exists() and not (ckpts / "checkpoint-15").exists()
     assert last_checkpoint(tmp_path / "none") is None
