@@ -264,9 +264,11 @@ class ExportConfig(Section):
         8, ge=1, description="Held-out prompts on which the merged model's logits are compared with base + adapter."
     )
     max_logit_error: float = Field(
-        0.02, gt=0,
+        0.25, gt=0,
         description="Largest accepted logit difference between the merged model and base + adapter, relative to "
-        "the spread (standard deviation) of base + adapter's logits; the export fails above it.",
+        "the spread (standard deviation) of base + adapter's logits; the export fails above it. Measured on the "
+        "demo model: 0.08 for a bf16 merge, 2.4 for the same adapter merged into the original (not the 4-bit) "
+        "weights, 4.6 without the adapter.",
     )
 
 
