@@ -30,7 +30,7 @@ from tasks.concurrency import produce_on_devices
 from tasks.config import FinetuneConfig
 from tasks.dataset import PreparedDataset
 from tasks.environment import Plan
-from tasks.errors import EnvironmentMismatch, retry_unless_user_error
+from tasks.errors import ConfigError, EnvironmentMismatch, retry_unless_user_error
 from tasks.fingerprint import code_version, combine, hash_tree
 from tasks.gpus import GpuSelection
 from tasks.launcher import python_module, run_logger, run_worker, worker_main, write_job
@@ -141,16 +141,14 @@ def _export(job: dict) -> dict:
     started = time.perf_counter()
 
     parameters = _parameter_count(base_path)
-    size = parameters * export_dtype.itemsize
-    # The merge happens in host memory (the GPU holds the 4-bit model); the check loads the merged model on the
-    # device in the compute dtype.
-    needs = {"host memory": (size + parameters * compute.itemsize) * HEADROOM}
+    # The merge happens in host memory (the GPU holds only the 4-bit model); the check then loads the merged
+    # model on the device in the compute dtype.
+    needs = {"host memory": (parameters * (export_dtype.itemsize + compute.itemsize) * HEADROOM,
+                             _free_bytes(torch.device("cpu")))}
     if device.type == "cuda":
-        needs[f"{torch.cuda.get_device_name(device)}"] = parameters * compute.itemsize * HEADROOM
-    free = {"host memory": _free_bytes(torch.device("cpu")), **({name: _free_bytes(device) for name in needs
-                                                                 if name != "host memory"})}
-    short = [f"{name}: needs {needs[name] / 2**30:.1f} GiB, {free[name] / 2**30:.1f} GiB free" for name in needs
-             if needs[name] > free[name]]
+        needs[torch.cuda.get_device_name(device)] = (parameters * compute.itemsize * HEADROOM, _free_bytes(device))
+    short = [f"{name}: needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+             for name, (need, free) in needs.items() if need > free]
     if short:
         reason = (f"merging {parameters / 1e6:.0f}M parameters into a {cfg.export.dtype} checkpoint does not fit: "
                   + "; ".join(short))
@@ -184,9 +182,10 @@ def _export(job: dict) -> dict:
         print(f"merged {layers} dequantized layers + adapter -> {cfg.export.dtype}: logits within {error:.3g} "
               f"(relative to their spread) of base + adapter, top-1 agreement {agreement:.4f} on {tokens} tokens",
               flush=True)
-        if not error <= cfg.export.max_logit_error:
-            raise RuntimeError(f"the merged model's logits differ from base + adapter by {error:.3g} (relative), "
-                               f"more than export.max_logit_error={cfg.export.max_logit_error}: not exported")
+        if not error <= cfg.export.max_logit_error:  # the same inputs give the same result: not worth a retry
+            raise ConfigError([f"the merged model's logits differ from base + adapter by {error:.3g} of their "
+                               f"spread, more than export.max_logit_error={cfg.export.max_logit_error}: not "
+                               "exported (export.merge=false skips the step)"], "export")
         record = dict(path=str(out), fingerprint=job["fingerprint"], dtype=cfg.export.dtype, parameters=parameters,
                       size_mb=round(sum(p.stat().st_size for p in tmp.glob("*.safetensors")) / 2**20, 1),
                       logit_error=error, top1_agreement=agreement, check_prompts=len(prompts),

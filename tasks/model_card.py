@@ -33,7 +33,7 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
     q = cfg.quantization
     quantized = (f"{q.quant_type} 4-bit{' with double quantization' if q.double_quant else ''}, compute dtype "
                  f"{base.compute_dtype}" if base.load_in_4bit else f"not quantized ({base.compute_dtype})")
-    versions = [f"| {k} | {v} |" for k, v in env.versions.items() if v]
+    versions = [f"| {k} | {v} |" for k, v in env.versions.items() if v and k != "torch"]
     lines = [
         "---", f"base_model: {cfg.model.source}", "library_name: transformers",
         "tags: [finetune-flows, qlora, lora, merged]", "---", "",
@@ -58,7 +58,7 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
         f"{merged.check_prompts} held-out prompts ({merged.check_tokens} positions, {merged.device}): largest logit "
         f"difference {merged.logit_error:.3g} of the logits' standard deviation (limit "
         f"{cfg.export.max_logit_error}), same top-1 token at {merged.top1_agreement:.2%} of positions.", "",
-        f"{merged.parameters / 1e6:.1f}M parameters, {merged.size_mb:.0f} MiB.", "",
+        f"{merged.parameters / 1e6:.1f}M parameters, {merged.size_mb:.1f} MiB.", "",
         "## Reproduce", "",
         "```bash", f"python flows/finetune.py --config {config_file}   # train, evaluate and merge again",
         f"python flows/export.py --adapter {adapter}   # merge this adapter again", "```", "",
@@ -75,8 +75,12 @@ def place_merged(merged: MergedModel, run_dir: Path, cfg: FinetuneConfig, base: 
     `merged-model` artifact."""
     target = run_dir / "merged"
     link_tree(merged.path, target)
+    if (adapter.parent / "config.resolved.yaml").is_file():  # flows/export.py: the adapter of an earlier run
+        shipped_adapter, config_file = adapter, adapter.parent / "config.resolved.yaml"
+    else:  # the fine-tune flow: its adapter is copied into the run directory at the end
+        shipped_adapter, config_file = run_dir / "adapter", run_dir / "config.resolved.yaml"
     card = render_card(f"{run_dir.name}: merged model", merged.model_copy(update={"path": target}), cfg, base, data,
-                       env, eval_rows, adapter, run_dir / "config.resolved.yaml")
+                       env, eval_rows, shipped_adapter, config_file)
     tmp = target / ".README.md.tmp"
     tmp.write_text(card)
     tmp.replace(target / "README.md")

@@ -69,8 +69,8 @@ def render_summary(r: FinetuneResult) -> str:
             f"- adapter: `{r.adapter_path}`\n- training: {r.train.steps} steps, loss {r.train.first_loss:.4f} -> "
             f"{r.train.final_loss:.4f}, {r.train.tokens_per_second} tokens/s, peak {r.train.peak_memory_mb} MiB\n"
             f"- cached steps: {', '.join(r.cached_steps) or 'none'}\n"
-            + (f"- merged checkpoint: `{r.merged.path}` ({r.merged.dtype}, logits within {r.merged.logit_error:.2g} "
-               f"of base + adapter)\n" if r.merged else "")
+            + (f"- merged checkpoint: `{r.merged.path}` ({r.merged.dtype}, logits within "
+               f"{r.merged.logit_error:.2g} std of base + adapter)\n" if r.merged else "")
             + (f"- plots: {', '.join(f'`{p}`' for p in r.plots)}\n" if r.plots else "")
             + (f"- TensorBoard: `tensorboard --logdir {r.tensorboard_dir}`\n" if r.tensorboard_dir else "")
             + f"- previous run: {f'`{r.previous_run.name}` (see comparison.md)' if r.previous_run else 'none'}\n")

@@ -129,7 +129,7 @@ def test_plain_log_lines_without_a_terminal():
 
 def cli(cache: Path, runs: Path, seed: int) -> list[str]:
     overrides = tiny_overrides(cache, runs, **{"train.seed": seed, "train.logging_steps": 2,
-                                              "tracking.report_to": "none"})
+                                              "tracking.report_to": "none", "export.merge": False})
     return [sys.executable, "flows/finetune.py", *(a for o in overrides for a in ("--set", o))]
 
 
@@ -155,3 +155,17 @@ def test_cli_run_without_a_terminal_logs_each_logging_step_once(shared_cache, tm
     assert "\r" not in out and not LIVE_LINE.search(out)
     assert [int(s) for s in re.findall(r"step (\d+)/6 loss", out)] == [1, 2, 4, 6], out[-4000:]
     assert "{'loss'" not in out and "concurrency limit" not in out
+
+
+def test_a_missing_device_limit_is_said_once_at_info_level(prefect_server, caplog, monkeypatch):
+    import logging
+
+    import tasks.concurrency as concurrency
+
+    monkeypatch.setattr(concurrency, "_REPORTED_MISSING", set())
+    with caplog.at_level(logging.INFO, logger="finetune_flows"):
+        for _ in range(3):  # quantize, train, evaluate: three device steps of one run
+            with concurrency.device_slots([]):
+                pass
+    said = [r for r in caplog.records if "no concurrency limit named" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO], [r.getMessage() for r in said]
