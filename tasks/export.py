@@ -171,6 +171,7 @@ def _export(job: dict) -> dict:
 
     base = AutoModelForCausalLM.from_pretrained(base_path, **load)
     layers = dequantize_model(base, offload_to_cpu=device.type == "cuda")
+    base.hf_device_map = {"": "cpu"}  # offloaded: the adapter must load next to the weights, not on the GPU
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload().to(export_dtype)
     merged.config.use_cache = True
     with atomic_dir(out) as tmp:

@@ -133,10 +133,17 @@ def cli(cache: Path, runs: Path, seed: int) -> list[str]:
     return [sys.executable, "flows/finetune.py", *(a for o in overrides for a in ("--set", o))]
 
 
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    """A plain CLI run: its own temporary Prefect server and result storage (not this test session's)."""
+    env = child_env(PREFECT_HOME=str(tmp_path / "prefect-home"),
+                    PREFECT_LOCAL_STORAGE_PATH=str(tmp_path / "prefect-storage"))
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
 @pytest.mark.slow
 def test_cli_run_on_a_terminal_shows_one_live_line_and_no_noise(shared_cache, tmp_path):
-    env = child_env(PREFECT_HOME=str(tmp_path / "prefect-home"))  # a plain CLI run: its own temporary server
-    env.pop("PREFECT_API_URL", None)
+    env = cli_env(tmp_path)
     rc, screen = run_in_terminal(cli(shared_cache / "cli", tmp_path / "runs", seed=1), env, timeout=900)
     assert rc == 0, screen[-4000:]
     steps = [int(m.group(1)) for m in re.finditer(re.escape(CLEAR) + r"train +(\d+)/6", screen)]
@@ -148,8 +155,7 @@ def test_cli_run_on_a_terminal_shows_one_live_line_and_no_noise(shared_cache, tm
 
 @pytest.mark.slow
 def test_cli_run_without_a_terminal_logs_each_logging_step_once(shared_cache, tmp_path):
-    env = child_env(PREFECT_HOME=str(tmp_path / "prefect-home"))
-    env.pop("PREFECT_API_URL", None)
+    env = cli_env(tmp_path)
     rc, out = run_without_terminal(cli(shared_cache / "cli", tmp_path / "runs", seed=2), env, timeout=900)
     assert rc == 0, out[-4000:]
     assert "\r" not in out and not LIVE_LINE.search(out)
