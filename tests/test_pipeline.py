@@ -183,7 +183,19 @@ def test_run_directory_holds_plots_logs_and_the_merged_model(first_run):
     assert f"python flows/finetune.py --config {run_dir / 'config.resolved.yaml'}" in card
     assert re.search(r"data fingerprint `[0-9a-f]{24}`", card) and "## Merge check" in card
     assert "nothing to compare with yet" in (run_dir / "comparison.md").read_text()
-    assert {"loss-curve", "eval-comparison", "eval-vs-previous", "merged-model"} <= artifact_keys_of_latest_flow_run()
+    assert {"loss-curve", "eval-comparison", "eval-vs-previous", "merged-model"} <= artifact_keys_naming(run_dir.name)
+
+
+def artifact_keys_naming(text: str) -> set[str]:
+    """Keys of the recent markdown artifacts whose content names `text` (a run directory), whichever flow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterType
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["markdown"])),
+                                      sort=ArtifactSort.CREATED_DESC, limit=200)
+    return {a.key for a in found if a.key and isinstance(a.data, str) and text in a.data}
 
 
 def test_consecutive_runs_are_compared_in_the_ui_and_on_the_command_line(first_run, shared_cache, tmp_path, capsys):
