@@ -11,12 +11,12 @@ STAMP := $(VENV)/.installed
 HAS_NVIDIA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 ifeq ($(HAS_NVIDIA),yes)
 TORCH_INSTALL ?= torch==2.13.0
-EXTRAS ?= test,ray,gpu
+EXTRAS ?= test,ray,tracking,gpu
 else
 TORCH_INSTALL ?= $(if $(wildcard /opt/wheels/torch-2.13.0*),torch==2.13.0,torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)
 endif
 
-EXTRAS ?= test,ray
+EXTRAS ?= test,ray,tracking
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export TOKENIZERS_PARALLELISM ?= false

@@ -1,4 +1,4 @@
-"""finetune: a base model and a dataset in, an evaluated QLoRA adapter out.
+"""finetune: a base model and a dataset in, an evaluated QLoRA adapter (and the merged model) out.
 
     python flows/finetune.py                                   # the built-in demo (configs/demo.yaml)
     python flows/finetune.py --config configs/X.yaml --set train.learning_rate=1e-4
@@ -21,10 +21,12 @@ from tasks.dataset import prepare_dataset  # noqa: E402
 from tasks.environment import verify_environment  # noqa: E402
 from tasks.evaluate import evaluate_adapter, publish_eval  # noqa: E402
 from tasks.gpus import select_gpus  # noqa: E402
+from tasks.model_card import export_merged_model  # noqa: E402
 from tasks.models import check_model_source, materialize_tokenizer  # noqa: E402
 from tasks.quantize import quantize_base_model  # noqa: E402
 from tasks.runs import create_run_dir, flow_run_name  # noqa: E402
 from tasks.summary import FinetuneResult, finish_run  # noqa: E402
+from tasks.tracking import check_tracking, log_to_mlflow  # noqa: E402
 from tasks.train import train_adapter  # noqa: E402
 
 DEFAULT_CONFIG = "configs/demo.yaml"
@@ -34,6 +36,7 @@ DEFAULT_CONFIG = "configs/demo.yaml"
 def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = None) -> FinetuneResult:
     cfg = load_config(config, overrides)
     check_model_source(cfg.model.source)
+    check_tracking(cfg)
     run_dir = create_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir)
@@ -48,10 +51,15 @@ def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = 
     )
     train, train_cached = run_step(trainer, cfg, data, base, plan, gpus, run_dir)
     report, eval_cached = run_step(evaluate_adapter, cfg, data, base, train.adapter_path, plan, gpus)
+    merged = export_merged_model(cfg, data, base, train.adapter_path, plan, gpus, env, run_dir, report.table())
 
     publish_eval(report)
-    return finish_run(run_dir, train, report, {"prepare-dataset": data_cached, "quantize-base-model": base_cached,
-                                               "train-adapter": train_cached, "evaluate-adapter": eval_cached})
+    result = finish_run(run_dir, train, report, {"prepare-dataset": data_cached, "quantize-base-model": base_cached,
+                                                 "train-adapter": train_cached, "evaluate-adapter": eval_cached},
+                        merged)
+    if cfg.tracking.mlflow_uri:
+        log_to_mlflow(cfg, plan, result)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

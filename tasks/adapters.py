@@ -18,6 +18,7 @@ from tasks.config import FinetuneConfig, load_config
 from tasks.errors import UserInputError
 from tasks.evaluate import EvalReport
 from tasks.launcher import run_logger
+from tasks.plots import publish_plots
 from tasks.quantize import QuantizedModel
 from tasks.runs import create_run_dir
 
@@ -81,6 +82,7 @@ def create_eval_run_dir(cfg: FinetuneConfig) -> Path:
 def finish_evaluation(run_dir: Path, adapter_dir: Path, report: EvalReport) -> EvaluationResult:
     """Write eval.json and evaluation.json into the run directory and publish where the adapter is."""
     shutil.copy(report.path, run_dir / "eval.json")
+    publish_plots(run_dir, None, report)  # <run>/plots/eval.png and the `eval-comparison` artifact
     result = EvaluationResult(run_dir=run_dir, adapter_path=adapter_dir, eval=report)
     (run_dir / "evaluation.json").write_text(result.model_dump_json(indent=2))
     create_link_artifact(adapter_dir.as_uri(), link_text=str(adapter_dir), key="adapter-location",

@@ -5,7 +5,7 @@ Slot names are `device-<host>-gpu<id>` for each selected GPU (nvidia-smi id), or
 runs. `make deploy` and `make worker` create the limits of their host, one slot each
 (`python -m tasks.concurrency`). A run that finds a device busy waits, and says so in its log every
 `WAIT_REPORT_SECONDS` (doubling up to every 5 minutes); when a limit does not exist, the step runs unguarded
-and warns.
+and says so once per process (not at all on the temporary server of a plain CLI run, where nothing else runs).
 """
 
 from __future__ import annotations
@@ -70,6 +70,16 @@ def _existing_limits(names: list[str]) -> dict[str, Any]:
     return found
 
 
+_REPORTED_MISSING: set[str] = set()
+
+
+def _temporary_server() -> bool:
+    """No PREFECT_API_URL: Prefect started a temporary local server for this process alone."""
+    from prefect.settings import PREFECT_API_URL
+
+    return not PREFECT_API_URL.value()
+
+
 def _lease_holder():
     """The task run holding the slot, recorded with the lease so the UI can show who has the device."""
     from prefect.client.schemas.objects import ConcurrencyLeaseHolder
@@ -94,10 +104,11 @@ def device_slots(gpu_ids: list[int]) -> Iterator[None]:
 
     logger = run_logger()
     limits = _existing_limits(slot_names(gpu_ids))
-    missing = [n for n in slot_names(gpu_ids) if n not in limits]
-    if missing:
-        logger.warning("no concurrency limit named %s on the Prefect server (`make deploy` creates them): this "
-                       "step does not queue behind other runs on that device", ", ".join(missing))
+    missing = [n for n in slot_names(gpu_ids) if n not in limits and n not in _REPORTED_MISSING]
+    if missing and not _temporary_server():  # a temporary server serves this one process: nothing to queue behind
+        logger.info("no concurrency limit named %s on the Prefect server (`make deploy` creates them): device "
+                    "steps do not queue behind other runs on that device", ", ".join(missing))
+    _REPORTED_MISSING.update(missing)  # said once per process, not on every device step
     if not limits:
         yield
         return

@@ -9,7 +9,11 @@ from pathlib import Path
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
+from tasks.compare import publish_comparison
 from tasks.evaluate import EvalReport
+from tasks.export import ExportResult
+from tasks.plots import plots_markdown, publish_plots
+from tasks.tracking import copy_tensorboard_logs
 from tasks.train import TrainResult
 
 
@@ -19,16 +23,24 @@ class FinetuneResult(BaseModel):
     cached_steps: list[str]
     train: TrainResult
     eval: EvalReport
+    plots: list[Path] = []
+    tensorboard_dir: Path | None = None
+    merged: ExportResult | None = None
+    previous_run: Path | None = None
 
 
-def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, cached: dict[str, bool]) -> FinetuneResult:
-    """Copy the adapter into the run directory, write summary.json and publish the run's artifacts."""
+def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, cached: dict[str, bool],
+               merged: ExportResult | None = None) -> FinetuneResult:
+    """Copy the adapter and the TensorBoard logs into the run directory, draw the plots, compare with the
+    previous run, publish the run's artifacts, and write summary.json last (it marks the run complete)."""
     adapter = run_dir / "adapter"
     shutil.copytree(train.adapter_path, adapter)
     shutil.copy(report.path, run_dir / "eval.json")
-    result = FinetuneResult(run_dir=run_dir, adapter_path=adapter, train=train, eval=report,
-                            cached_steps=[name for name, hit in cached.items() if hit])
-    (run_dir / "summary.json").write_text(result.model_dump_json(indent=2))
+    result = FinetuneResult(run_dir=run_dir, adapter_path=adapter, train=train, eval=report, merged=merged,
+                            cached_steps=[name for name, hit in cached.items() if hit],
+                            tensorboard_dir=copy_tensorboard_logs(train.output_dir, run_dir),
+                            plots=publish_plots(run_dir, train, report))
+    result.previous_run = publish_comparison(run_dir, result.model_dump(mode="json"))
 
     create_table_artifact(
         [{"step": s, "loss": loss} for s, loss in train.loss_curve], key="train-loss",
@@ -41,7 +53,11 @@ def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, cached: di
     )
     create_link_artifact(adapter.as_uri(), link_text=str(adapter), key="adapter-location",
                          description="The trained LoRA adapter (load with peft.PeftModel.from_pretrained)")
-    create_markdown_artifact(render_summary(result), key="run-summary", description="Run summary")
+    create_markdown_artifact(render_summary(result) + "\n" + plots_markdown(result.plots), key="run-summary",
+                             description="Run summary: eval table, plots, where everything is")
+    tmp = run_dir / ".summary.json.tmp"
+    tmp.write_text(result.model_dump_json(indent=2))
+    tmp.replace(run_dir / "summary.json")
     return result
 
 
@@ -52,7 +68,12 @@ def render_summary(r: FinetuneResult) -> str:
     return (f"# Fine-tune run {r.run_dir.name}\n\n{header}\n{rows}\n\n"
             f"- adapter: `{r.adapter_path}`\n- training: {r.train.steps} steps, loss {r.train.first_loss:.4f} -> "
             f"{r.train.final_loss:.4f}, {r.train.tokens_per_second} tokens/s, peak {r.train.peak_memory_mb} MiB\n"
-            f"- cached steps: {', '.join(r.cached_steps) or 'none'}\n")
+            f"- cached steps: {', '.join(r.cached_steps) or 'none'}\n"
+            + (f"- merged checkpoint: `{r.merged.path}` ({r.merged.dtype}, logits within "
+               f"{r.merged.logit_error:.2g} std of base + adapter)\n" if r.merged else "")
+            + (f"- plots: {', '.join(f'`{p}`' for p in r.plots)}\n" if r.plots else "")
+            + (f"- TensorBoard: `tensorboard --logdir {r.tensorboard_dir}`\n" if r.tensorboard_dir else "")
+            + f"- previous run: {f'`{r.previous_run.name}` (see comparison.md)' if r.previous_run else 'none'}\n")
 
 
 def print_table(r: FinetuneResult) -> None:

@@ -23,6 +23,7 @@ from tasks.fingerprint import code_version, combine
 from tasks.gpus import GpuSelection
 from tasks.launcher import run_logger, run_worker, write_job
 from tasks.planner import ModelShape, TrainingPlan, plan_training
+from tasks.progress import ProgressReporter
 from tasks.quantize import QuantizedModel
 from tasks.train_worker import last_checkpoint
 
@@ -124,36 +125,6 @@ def publish_training_plan(tplan: TrainingPlan) -> None:
 
 
 
-class ProgressReporter:
-    """Turns worker events into log lines and a live Prefect progress artifact (key `train-progress`)."""
-
-    def __init__(self, max_steps: int):
-        self.max_steps = max_steps
-        self.artifact_id = None
-
-    def __call__(self, event: dict[str, Any]) -> None:
-        from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
-        logger = run_logger()
-        if event["kind"] == "checkpoint":
-            logger.info("checkpoint saved at step %s", event["step"])
-            return
-        if event["kind"] != "train_log":
-            return
-        total = event.get("max_steps") or self.max_steps
-        percent = min(100.0, 100.0 * event["step"] / max(total, 1))
-        logger.info("step %s/%s loss %.4f lr %s %.1f tokens/s", event["step"], total, event["loss"],
-                    event.get("learning_rate"), event["tokens_per_second"])
-        try:
-            if self.artifact_id is None:
-                self.artifact_id = create_progress_artifact(percent, key="train-progress",
-                                                            description="QLoRA training progress (%)")
-            else:
-                update_progress_artifact(self.artifact_id, percent)
-        except Exception as exc:  # outside a Prefect run there is nothing to update
-            logger.debug("progress artifact not updated: %s", exc)
-
-
 def _train_key(context, parameters) -> str:
     p = parameters
     return "adapter-" + train_fingerprint(p["cfg"], p["data"], p["base"], p["plan"])
@@ -180,8 +151,8 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
                         base=str(base.path), data=str(data.path), load_in_4bit=base.load_in_4bit,
                         fingerprint=fingerprint, training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
                         upcast_frozen=upcast_setting(cfg))
-        run_worker("train", train_command(cfg, plan, job, fingerprint), gpus.env, out,
-                   on_event=ProgressReporter(cfg.train.max_steps))
+        with ProgressReporter(cfg.train.max_steps) as progress:
+            run_worker("train", train_command(cfg, plan, job, fingerprint), gpus.env, out, on_event=progress)
 
     produce_on_devices(metrics, gpus.ids, launch)
     return TrainResult.model_validate_json(metrics.read_text())

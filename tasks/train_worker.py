@@ -144,20 +144,25 @@ def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: f
         def on_train_begin(self, args, state, control, **kwargs):
             clock.start()
 
+        def _pace(self, args, state) -> dict:
+            recent = clock.steps[-args.logging_steps:]
+            seconds = sum(s for _, s, _, _ in recent)
+            rate = sum(t for _, _, t, _ in recent) * args.world_size / seconds if seconds else 0.0
+            elapsed = time.perf_counter() - started
+            total = state.max_steps or max_steps
+            eta = (total - state.global_step) * seconds / max(len(recent), 1)
+            return dict(step=state.global_step, max_steps=total, tokens_per_second=round(rate, 1),
+                        elapsed=round(elapsed, 1), eta_seconds=round(eta, 1))
+
         def on_step_end(self, args, state, control, **kwargs):
             clock.step_end(state.global_step)
+            if state.is_world_process_zero:  # redraws the live progress line on a terminal
+                emit_event("train_step", **self._pace(args, state))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and logs and "loss" in logs:
-                recent = clock.steps[-args.logging_steps:]
-                seconds = sum(s for _, s, _, _ in recent)
-                rate = sum(t for _, _, t, _ in recent) * args.world_size / seconds if seconds else 0.0
-                elapsed = time.perf_counter() - started
-                total = state.max_steps or max_steps
-                eta = (total - state.global_step) * seconds / max(len(recent), 1)
-                emit_event("train_log", step=state.global_step, max_steps=total, loss=round(float(logs["loss"]), 5),
-                           learning_rate=logs.get("learning_rate"), grad_norm=logs.get("grad_norm"),
-                           tokens_per_second=round(rate, 1), elapsed=round(elapsed, 1), eta_seconds=round(eta, 1))
+                emit_event("train_log", loss=round(float(logs["loss"]), 5), learning_rate=logs.get("learning_rate"),
+                           grad_norm=logs.get("grad_norm"), **self._pace(args, state))
 
         def on_save(self, args, state, control, **kwargs):
             clock.saved()
@@ -208,7 +213,7 @@ def build_model(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, base_path:
 def _train(job: dict) -> dict | None:
     import torch
     import torch.distributed as dist
-    from transformers import AutoTokenizer, Trainer, TrainingArguments, set_seed
+    from transformers import AutoTokenizer, PrinterCallback, Trainer, TrainingArguments, set_seed
 
     cfg = FinetuneConfig.model_validate(job["config"])
     plan = Plan.model_validate(job["plan"])
@@ -266,13 +271,15 @@ def _train(job: dict) -> dict | None:
         bf16=plan.precision == "bf16", fp16=plan.precision == "fp16", use_cpu=not on_gpu,
         ddp_backend="nccl" if on_gpu else "gloo", ddp_find_unused_parameters=False,
         logging_steps=t.logging_steps, logging_first_step=True, save_strategy="steps", save_steps=save_steps,
-        save_total_limit=t.save_total_limit, seed=t.seed, data_seed=t.seed, report_to=[],
+        save_total_limit=t.save_total_limit, seed=t.seed, data_seed=t.seed, report_to=cfg.tracking.report_to,
         remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False,
         use_liger_kernel=use_liger,
         liger_kernel_config={"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True},
     )
     last_checkpoint(out / "checkpoints")  # removes a checkpoint left half-written
+    os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(out / "tensorboard"))  # copied into each run's directory
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collator)
+    trainer.remove_callback(PrinterCallback)  # progress goes out as events; its raw dicts would duplicate them
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,3 +230,87 @@ def table_rows(dom: str) -> list[list[str]]:
         if cells:
             rows.append(cells)
     return rows
+
+
+def chromium_eval(url: str, profile: Path, expression: str, ready: str, window: str = "1400,1000",
+                  timeout: float = 120, screenshot: Path | None = None, interact: Any = None) -> Any:
+    """Open url in headless Chromium and evaluate a JavaScript expression in the page once `ready` (another
+    expression) is true, through the DevTools protocol; optionally save a screenshot of the page at that moment.
+    `interact(page)`, when given, runs in between with page.evaluate(js), page.click(x, y), page.wait(js) and
+    page.screenshot() (PNG bytes).
+
+    For what only the live page knows (an <img> that decoded has naturalWidth > 0), which `--dump-dom` cannot show.
+    """
+    import base64
+
+    from websockets.sync.client import connect
+
+    if shutil.which("chromium") is None:
+        raise AssertionError("chromium is not installed: `make test-deps` installs Debian's package")
+    profile.mkdir(parents=True, exist_ok=True)
+    port_file = profile / "DevToolsActivePort"
+    port_file.unlink(missing_ok=True)  # a reused profile keeps the port of its last browser
+    flags = [f for f in CHROMIUM_FLAGS if not f.startswith("--virtual-time-budget")]
+    proc = subprocess.Popen(["chromium", *flags, f"--window-size={window}", f"--user-data-dir={profile}",
+                             "--remote-debugging-port=0", "about:blank"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not port_file.is_file() or not port_file.read_text().strip():
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise AssertionError(f"chromium did not open its DevTools port (exit {proc.poll()})")
+            time.sleep(0.2)
+        port = int(port_file.read_text().split()[0])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
+            page = next(t for t in json.loads(r.read()) if t["type"] == "page")
+        with connect(page["webSocketDebuggerUrl"], max_size=2**26, open_timeout=30) as ws:
+            ids = iter(range(1, 10**6))
+
+            def call(method: str, **params: Any) -> dict:
+                msg_id = next(ids)
+                ws.send(json.dumps({"id": msg_id, "method": method, "params": params}))
+                while True:
+                    reply = json.loads(ws.recv(timeout=max(deadline - time.monotonic(), 1)))
+                    if reply.get("id") == msg_id:
+                        if "error" in reply:
+                            raise AssertionError(f"{method}: {reply['error']}")
+                        return reply["result"]
+
+            def evaluate(js: str) -> Any:
+                result = call("Runtime.evaluate", expression=js, returnByValue=True, awaitPromise=True)
+                if "exceptionDetails" in result:
+                    raise AssertionError(f"{js}: {result['exceptionDetails']}")
+                return result["result"].get("value")
+
+            width, height = (int(v) for v in window.split(","))
+            call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+            call("Page.navigate", url=url)
+            settled = 0  # React pages re-render after data arrives: ready must hold on three polls in a row
+            while settled < 3:
+                settled = settled + 1 if evaluate(f"Boolean({ready})") else 0
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"page {url} never became ready ({ready}); text: "
+                                         f"{str(evaluate('document.body && document.body.innerText'))[:2000]}")
+                time.sleep(0.5)
+            if interact is not None:
+                def click(x: float, y: float) -> None:
+                    for kind in ("mousePressed", "mouseReleased"):
+                        call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+
+                def wait(js: str) -> None:
+                    while not evaluate(f"Boolean({js})"):
+                        if time.monotonic() > deadline:
+                            raise AssertionError(f"never true on {url}: {js}")
+                        time.sleep(0.5)
+
+                def capture() -> bytes:
+                    return base64.b64decode(call("Page.captureScreenshot", format="png")["data"])
+
+                interact(SimpleNamespace(evaluate=evaluate, click=click, wait=wait, screenshot=capture))
+            value = evaluate(expression)
+            if screenshot is not None:
+                shot = call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+                screenshot.write_bytes(base64.b64decode(shot["data"]))
+            return value
+    finally:
+        stop(proc)

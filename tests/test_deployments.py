@@ -201,12 +201,14 @@ def test_evaluation_only_deployment_scores_an_existing_adapter(stack, two_runs):
     assert run.state.type.value == "COMPLETED", (run.state.message, stack.logs_of(flow_run_id)[-20:])
     assert run.name == f"tiny/tiny-llama eval {adapter.parent.name}"
     artifacts = stack.artifacts_of(flow_run_id)
-    assert {"environment-report", "eval-metrics", "eval-samples", "adapter-location", "run-summary"} <= set(artifacts)
+    assert {"environment-report", "eval-metrics", "eval-samples", "adapter-location", "run-summary",
+            "eval-comparison"} <= set(artifacts)
     assert "train-loss" not in artifacts
     messages = [log.message for log in stack.logs_of(flow_run_id)]
     assert any(m.startswith("starting evaluate worker") for m in messages), "the adapter was not evaluated anew"
     (eval_dir,) = (tmp / "runs").glob("tiny-eval-*")
     assert (eval_dir / "evaluation.json").is_file() and (eval_dir / "eval.json").is_file()
+    assert (eval_dir / "plots" / "eval.png").is_file()
 
 
 def test_ui_shows_the_run_and_its_eval_table(stack, two_runs, tmp_path):

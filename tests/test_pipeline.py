@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -165,3 +166,74 @@ def test_resume_skips_a_checkpoint_left_half_written_or_missing_a_file(tmp_path)
     assert last_checkpoint(ckpts) == ckpts / "checkpoint-5"
     assert not (ckpts / "checkpoint-10").exists() and not (ckpts / "checkpoint-15").exists()
     assert last_checkpoint(tmp_path / "none") is None
+
+
+def test_run_directory_holds_plots_logs_and_the_merged_model(first_run):
+    result, _, _ = first_run
+    run_dir = result.run_dir
+    assert result.plots == [run_dir / "plots" / "loss.png", run_dir / "plots" / "eval.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000 for p in result.plots)
+    assert list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
+    merged = result.merged
+    assert merged is not None and merged.path == run_dir / "merged" and merged.dtype == "bfloat16"
+    weights = run_dir / "merged" / "model.safetensors"
+    assert weights.stat().st_ino == (merged.cache_path / "model.safetensors").stat().st_ino  # linked, not copied
+    card = (run_dir / "merged" / "README.md").read_text()
+    assert "base_model: generated:tiny-llama" in card and "| base + adapter |" in card and "| transformers |" in card
+    assert f"python flows/finetune.py --config {run_dir / 'config.resolved.yaml'}" in card
+    assert re.search(r"data fingerprint `[0-9a-f]{24}`", card) and "## Merge check" in card
+    assert "nothing to compare with yet" in (run_dir / "comparison.md").read_text()
+    assert {"loss-curve", "eval-comparison", "eval-vs-previous", "merged-model"} <= artifact_keys_naming(run_dir.name)
+
+
+def artifact_keys_naming(text: str) -> set[str]:
+    """Keys of the recent markdown artifacts whose content names `text` (a run directory), whichever flow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterType
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["markdown"])),
+                                      sort=ArtifactSort.CREATED_DESC, limit=200)
+    return {a.key for a in found if a.key and isinstance(a.data, str) and text in a.data}
+
+
+def test_consecutive_runs_are_compared_in_the_ui_and_on_the_command_line(first_run, shared_cache, tmp_path, capsys):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    from tasks.compare import main as compare
+
+    first = finetune(None, tiny_overrides(shared_cache / "pipeline", tmp_path))
+    second = finetune(None, tiny_overrides(shared_cache / "pipeline", tmp_path, **{"train.learning_rate": 5e-4}))
+    assert first.previous_run is None and second.previous_run == first.run_dir
+    text = (second.run_dir / "comparison.md").read_text()
+    assert f"Previous run: `{first.run_dir.name}`" in text
+    row = next(line for line in text.splitlines() if line.startswith("| adapter: held-out loss |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[1]) == pytest.approx(first.eval.adapter.loss, rel=1e-3)
+    assert float(cells[2]) == pytest.approx(second.eval.adapter.loss, rel=1e-3)
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["eval-vs-previous"])), limit=1,
+            sort=ArtifactSort.CREATED_DESC)
+    assert artifact.data == text
+    assert compare([str(second.run_dir)]) == 0 and capsys.readouterr().out.strip() == text.strip()
+    assert compare(["--output-dir", str(tmp_path)]) == 0 and capsys.readouterr().out.strip() == text.strip()
+
+
+def test_export_flow_merges_an_existing_adapter(first_run, capsys):
+    from flows.export import main as export_main
+
+    result, runs, _ = first_run
+    assert export_main(["--adapter", str(result.adapter_path)]) == 0
+    (export_dir,) = runs.glob("tiny-export-*")
+    merged = export_dir / "merged"
+    assert f"merged checkpoint: {merged}" in capsys.readouterr().out
+    # The same base, adapter and settings as the fine-tune run's own export: the cached checkpoint, linked again.
+    weights = merged / "model.safetensors"
+    assert weights.stat().st_ino == (result.merged.cache_path / "model.safetensors").stat().st_ino
+    card = (merged / "README.md").read_text()
+    assert f"| base + adapter | {result.eval.table()[1]['eval loss']} |" in card  # the adapter's run's eval table
+    assert f"python flows/export.py --adapter {result.adapter_path}" in card

@@ -1,0 +1,72 @@
+"""export: an existing QLoRA adapter merged into the exact base it was trained on, as a standalone checkpoint.
+
+    python flows/export.py --adapter runs/<run>/adapter                 # with the config it was trained with
+    python flows/export.py --adapter DIR --set export.dtype=float16
+
+Writes `runs/<name>-export-<time>-<id>/merged/` (weights, tokenizer, README.md model card) after checking that
+the merged model's logits match base + adapter. The fine-tune flow does the same at its end (`export.merge`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before prefect reads its settings
+
+from prefect import flow  # noqa: E402
+
+from tasks.adapters import check_adapter_dir, training_config, warn_if_other_base  # noqa: E402
+from tasks.caching import run_step  # noqa: E402
+from tasks.config import load_config  # noqa: E402
+from tasks.dataset import prepare_dataset  # noqa: E402
+from tasks.environment import verify_environment  # noqa: E402
+from tasks.export import ExportResult  # noqa: E402
+from tasks.gpus import select_gpus  # noqa: E402
+from tasks.model_card import adapter_eval_table, create_export_run_dir, export_merged_model  # noqa: E402
+from tasks.models import check_model_source, materialize_tokenizer  # noqa: E402
+from tasks.quantize import quantize_base_model  # noqa: E402
+
+
+@flow(name="export", flow_run_name="export {adapter}", log_prints=True)
+def export(adapter: str, config: str | None = None, overrides: list[str] | None = None) -> ExportResult:
+    adapter_dir = check_adapter_dir(adapter)  # before anything loads
+    cfg = load_config(config or training_config(adapter_dir), overrides)
+    check_model_source(cfg.model.source)
+    run_dir = create_export_run_dir(cfg)
+
+    env, plan = verify_environment(cfg, run_dir)
+    gpus = select_gpus(cfg.hardware.gpus, env.gpus)
+    tokenizer = materialize_tokenizer(cfg.model.source, cfg.cache_root, cfg.model.revision,
+                                      cfg.model.trust_remote_code)
+    data, _ = run_step(prepare_dataset, cfg, tokenizer)
+    base, _ = run_step(quantize_base_model, cfg, plan, gpus, run_dir)
+    warn_if_other_base(adapter_dir, base)
+    return export_merged_model(cfg, data, base, adapter_dir, plan, gpus, env, run_dir,
+                               adapter_eval_table(adapter_dir), required=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tasks.errors import UserInputError
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--adapter", required=True, help="adapter directory (runs/<run>/adapter of a fine-tune run)")
+    parser.add_argument("--config", help="run config YAML (default: the adapter's runs/<run>/config.resolved.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. export.dtype=float16 (repeatable)")
+    args = parser.parse_args(argv)
+    try:  # fail fast, before a Prefect server is even started
+        adapter_dir = check_adapter_dir(args.adapter)
+        check_model_source(load_config(args.config or training_config(adapter_dir), args.overrides).model.source)
+        result = export(args.adapter, args.config, args.overrides)
+    except UserInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"merged checkpoint: {result.path} ({result.dtype}, {result.parameters / 1e6:.1f}M parameters); "
+          f"model card: {result.path / 'README.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

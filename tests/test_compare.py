@@ -1,0 +1,55 @@
+"""Which run is "the previous run", and what counts as a regression (pure logic on run directories)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tasks.compare import comparison_rows, main, previous_run, render_comparison
+
+
+def summary(adapter_loss: float, score: float, tokens_per_second: float = 100.0) -> dict:
+    scores = lambda loss, s: {"loss": loss, "perplexity": 2.718 ** loss, "generation_score": s}  # noqa: E731
+    return {"eval": {"metric": "exact_match", "eval_rows": 12, "base": scores(7.0, 0.0),
+                     "adapter": scores(adapter_loss, score)},
+            "train": {"final_loss": adapter_loss, "tokens_per_second": tokens_per_second, "steps": 40}}
+
+
+def make_run(root: Path, name: str, stamp: str, data: dict | None, run_name: str | None = None) -> Path:
+    run = root / f"{name}-{stamp}-abc123"
+    run.mkdir(parents=True)
+    (run / "config.resolved.yaml").write_text(f"run:\n  name: {run_name or name}\n")
+    if data is not None:
+        (run / "summary.json").write_text(json.dumps(data))
+    return run
+
+
+def test_previous_run_is_the_latest_earlier_completed_run_of_the_same_name(tmp_path):
+    oldest = make_run(tmp_path, "nightly", "20261128-013000", summary(0.2, 0.8))
+    previous = make_run(tmp_path, "nightly", "20261129-013000", summary(0.2, 0.8))
+    make_run(tmp_path, "nightly", "20261129-120000", None)  # crashed: no summary.json
+    make_run(tmp_path, "nightly-eval", "20261129-130000", summary(0.1, 0.9), run_name="nightly-eval")
+    make_run(tmp_path, "demo", "20261129-140000", summary(0.1, 0.9))
+    tonight = make_run(tmp_path, "nightly", "20261130-013000", summary(0.3, 0.7))
+    assert previous_run(tonight) == previous and previous_run(previous) == oldest and previous_run(oldest) is None
+
+
+def test_regressions_are_marked_and_noise_is_not(tmp_path):
+    rows = {r["metric"]: r for r in comparison_rows(summary(0.30, 0.70, 99.0), summary(0.20, 0.80, 100.0))}
+    assert rows["adapter: held-out loss"]["verdict"] == "WORSE"
+    assert rows["adapter: exact_match"]["verdict"] == "WORSE"
+    assert rows["adapter: exact_match"]["change"] == -0.10000000000000009
+    assert rows["training: tokens/s"]["verdict"] == "same"  # 1% slower: within noise
+    assert rows["base: held-out loss"]["verdict"] == "same" and rows["training: steps"]["verdict"] == ""
+    better = {r["metric"]: r["verdict"] for r in comparison_rows(summary(0.1, 0.9), summary(0.2, 0.8))}
+    assert better["adapter: held-out loss"] == better["adapter: exact_match"] == "better"
+
+
+def test_command_prints_the_table_and_refuses_what_is_not_a_run(tmp_path, capsys):
+    make_run(tmp_path, "nightly", "20261129-013000", summary(0.2, 0.8))
+    tonight = make_run(tmp_path, "nightly", "20261130-013000", summary(0.3, 0.7))
+    assert main(["--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "**Regressions:** adapter: held-out loss, adapter: perplexity, adapter: exact_match" in out
+    assert out.strip() == render_comparison(tonight.resolve(), previous_run(tonight).resolve()).strip()
+    assert main([str(tmp_path / "nope")]) == 2 and "not a completed fine-tune run" in capsys.readouterr().err

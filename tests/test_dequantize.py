@@ -1,0 +1,78 @@
+"""The evaluation copy (tasks/dequantize.py) holds exactly the weights the 4-bit model computes with."""
+
+from __future__ import annotations
+
+import pytest
+
+from eval_support import tiny_quantized
+from tasks.dequantize import RECORD, dequantize_linear4bit, dequantized_copy
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def base(request, shared_cache):
+    return tiny_quantized(shared_cache / "dequantize", request.param)
+
+
+def _load(path, dtype):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, device_map={"": "cpu"}, dtype=getattr(torch, dtype)).eval()
+
+
+def test_copy_equals_the_dequantized_4bit_weights_bit_for_bit(base, tmp_path):
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+    import torch
+
+    path = dequantized_copy(base, tmp_path)
+    copy, four_bit = _load(path, base.compute_dtype), _load(base.path, base.compute_dtype)
+    quantized = {n: m for n, m in four_bit.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert len(quantized) == 14
+    copied = dict(copy.named_modules())
+    for name, module in quantized.items():
+        linear = copied[name]
+        assert type(linear) is torch.nn.Linear and linear.weight.dtype == getattr(torch, base.compute_dtype)
+        expected = F.dequantize_4bit(module.weight.data, module.weight.quant_state).to(linear.weight.dtype)
+        assert torch.equal(linear.weight, expected), name
+        assert torch.equal(linear.weight, dequantize_linear4bit(module)), name
+    others = {n: p for n, p in four_bit.named_parameters() if not isinstance(p, bnb.nn.Params4bit)}
+    copy_params = dict(copy.named_parameters())
+    assert others and all(torch.equal(copy_params[n], p) for n, p in others.items())
+    assert not hasattr(copy.config, "quantization_config")
+
+
+def test_transformers_dequantize_gives_the_same_weights_here(base, tmp_path):
+    """model.dequantize() casts from the dtype stored at quantization time; in this pipeline that is the compute
+    dtype, so it must agree with the copy (if it ever does not, the copy is the one matching the 4-bit matmul)."""
+    import torch
+
+    copy = _load(dequantized_copy(base, tmp_path), base.compute_dtype)
+    theirs = _load(base.path, base.compute_dtype).dequantize(dtype=getattr(torch, base.compute_dtype))
+    ours = dict(copy.named_parameters())
+    assert all(torch.equal(ours[n], p) for n, p in theirs.named_parameters())
+
+
+def test_copy_computes_what_the_4bit_model_computes(base, tmp_path):
+    import torch
+
+    copy, four_bit = _load(dequantized_copy(base, tmp_path), base.compute_dtype), _load(base.path, base.compute_dtype)
+    # In eval mode on a CPU with AVX512-BF16, bnb swaps in a fused kernel that rounds activations and scales to
+    # bf16 whatever the compute dtype; in train mode (as during QLoRA training, and on GPUs) it multiplies by
+    # the dequantized weight, which is what the copy holds. (The tiny model has no dropout.)
+    four_bit.train()
+    ids = torch.randint(3, 1000, (3, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = copy(input_ids=ids).logits.float(), four_bit(input_ids=ids).logits.float()
+    # Same weights; only the matmul kernels (and their summation order) differ.
+    tol = 1e-4 if base.compute_dtype == "float32" else 5e-2
+    assert torch.allclose(a, b, atol=tol, rtol=tol), (a - b).abs().max()
+
+
+def test_copy_is_made_once_and_reused(base, tmp_path):
+    first = dequantized_copy(base, tmp_path)
+    record = (first / RECORD).stat().st_mtime_ns
+    assert dequantized_copy(base, tmp_path) == first and (first / RECORD).stat().st_mtime_ns == record
+    assert first.parent == tmp_path / "dequantized" and not [p for p in first.parent.iterdir() if p.name[0] == "."]
+    plain = base.model_copy(update={"load_in_4bit": False})
+    assert dequantized_copy(plain, tmp_path) == base.path

@@ -1,0 +1,130 @@
+"""Ship it: the adapter merged into the exact 4-bit base it was trained on (CPU, tiny generated model).
+
+The export worker runs as in production (`python -m tasks.export job.json` through run_worker); the tests then
+check its result independently: the merged checkpoint loads with plain transformers and computes what base +
+adapter computes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eval_support import tiny_quantized
+from tasks.config import load_config
+from tasks.environment import Plan
+from tasks.errors import UserInputError
+from tasks.export import RECORD, MergedModel, compare_logits
+from tasks.launcher import python_module, run_worker, write_job
+
+PLAN = Plan(device="cpu", gpu_ids=[], nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
+            eval_attn="sdpa")
+PROMPTS = ["Ticket: I was charged twice for my subscription.", "Ticket: the app crashes when I log in.",
+           "Ticket: how do I change my delivery address?", "Ticket: my password reset email never arrives."]
+
+
+@pytest.fixture(scope="module")
+def base(shared_cache):
+    return tiny_quantized(shared_cache / "export", "float32")
+
+
+@pytest.fixture(scope="module")
+def adapter(base, tmp_path_factory):
+    """A LoRA adapter on the 4-bit base whose B matrices are not zero, so it changes every logit."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("adapter")
+    model = AutoModelForCausalLM.from_pretrained(base.path, device_map={"": "cpu"}, dtype=torch.float32)
+    torch.manual_seed(0)
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                                            init_lora_weights=False))
+    peft.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base.path).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data")
+    (path / "eval_prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p, "reference": " billing/high"})
+                                                       for p in PROMPTS))
+    return path
+
+
+def export(base, adapter, data, out: Path, **settings) -> dict:
+    cfg = load_config(None, ["model.source=generated:tiny-llama", *(f"export.{k}={v}" for k, v in settings.items())])
+    job = write_job(out.parent / f"{out.name}.work", "export", config=cfg.model_dump(mode="json"),
+                    plan=PLAN.model_dump(), base=str(base.path), adapter=str(adapter), data=str(data), out=str(out),
+                    fingerprint=out.name, required=True)
+    return run_worker("export", python_module("tasks.export", job), {}, job.parent)
+
+
+def reference_logits(base, adapter, prompts):
+    """base + adapter as training computed it: the 4-bit layers multiply by their dequantized weights."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base.path, device_map={"": "cpu"}, dtype=torch.float32), adapter)
+    model.train()  # in eval mode bnb's CPU kernel rounds to bf16 (see tasks/export.py); no dropout here
+    return logits_of(model, AutoTokenizer.from_pretrained(adapter), prompts)
+
+
+def logits_of(model, tokenizer, prompts):
+    import torch
+
+    with torch.no_grad():
+        return [model(input_ids=tokenizer(p, return_tensors="pt").input_ids).logits[0].float() for p in prompts]
+
+
+def test_merged_logits_equal_base_plus_adapter(base, adapter, data, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    record = MergedModel.model_validate(export(base, adapter, data, tmp_path / "fp32", dtype="float32"))
+    assert record.logit_error < 1e-4 and record.top1_agreement == 1.0 and record.check_prompts == len(PROMPTS)
+    merged = AutoModelForCausalLM.from_pretrained(record.path, dtype=torch.float32).eval()
+    prompts = [p + " billing/high" for p in PROMPTS]
+    reference = reference_logits(base, adapter, prompts)
+    ours = logits_of(merged, AutoTokenizer.from_pretrained(record.path), prompts)
+    for a, b in zip(reference, ours):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    error, _, _ = compare_logits(reference, ours)
+    assert error < 1e-4
+    # The adapter matters: without it the logits are far away, so the comparison above can fail.
+    without = logits_of(AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32).train(),
+                        AutoTokenizer.from_pretrained(record.path), prompts)
+    assert compare_logits(reference, without)[0] > 100 * error
+
+
+def test_bf16_checkpoint_reloads_with_plain_from_pretrained(base, adapter, data, tmp_path):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    record = MergedModel.model_validate(export(base, adapter, data, tmp_path / "bf16"))
+    path = record.path
+    assert record.dtype == "bfloat16" and record.logit_error <= load_config().export.max_logit_error
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config and not (path / "adapter_config.json").exists()
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        assert {f.get_tensor(k).dtype for k in keys} == {torch.bfloat16}
+    assert not [k for k in keys if "lora" in k or "base_layer" in k or "absmax" in k or "quant" in k]
+    model = AutoModelForCausalLM.from_pretrained(path)  # no peft, no bitsandbytes, no dtype argument
+    assert not any(type(m).__module__.startswith(("peft", "bitsandbytes")) for m in model.modules())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    out = model.generate(**tokenizer(PROMPTS[0], return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > len(tokenizer(PROMPTS[0]).input_ids)
+    assert (path / RECORD).is_file() and not list(path.parent.glob(".bf16*"))
+
+
+def test_a_merge_outside_the_tolerance_is_refused_and_nothing_is_kept(base, adapter, data, tmp_path):
+    with pytest.raises(UserInputError, match="more than export.max_logit_error"):  # not retried: it would fail again
+        export(base, adapter, data, tmp_path / "strict", max_logit_error=1e-9)  # bf16 rounding alone exceeds it
+    assert not (tmp_path / "strict").exists() and not list(tmp_path.glob(".strict*"))

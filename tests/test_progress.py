@@ -1,0 +1,177 @@
+"""The terminal a person watches: one live progress line under a real pseudo-terminal, plain log lines without.
+
+The child processes run the real ProgressReporter (and, in the slow tests, the real `python flows/finetune.py`)
+with their stderr on a pty (`pty.openpty`) or on a pipe, and the tests read exactly what reached that terminal.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_overrides
+from tasks.progress import format_duration, progress_line
+
+ROOT = Path(__file__).resolve().parent.parent
+CLEAR = "\r\x1b[2K"
+LIVE_LINE = re.compile(r"train +(\d+)/(\d+) \[[#.]+\] +\d+%")
+
+FEED_EVENTS = r"""
+import logging, sys
+from tasks.progress import ProgressReporter
+
+handler = logging.StreamHandler(sys.stderr)  # like Prefect's console handler on the root logger
+handler.setFormatter(logging.Formatter("%(levelname)s | %(message)s"))
+logging.getLogger().addHandler(handler)
+logging.getLogger().setLevel(logging.INFO)
+with ProgressReporter(6) as progress:
+    for step in range(1, 7):
+        progress(dict(kind="train_step", step=step, max_steps=6, elapsed=2.0 * step, tokens_per_second=90.0))
+        if step % 2 == 0:
+            progress(dict(kind="train_log", step=step, max_steps=6, loss=2.0 / step, learning_rate=1e-3,
+                          elapsed=2.0 * step, tokens_per_second=90.0))
+        if step == 3:
+            progress(dict(kind="checkpoint", step=3))
+logging.getLogger("after").info("trained 6 steps")
+"""
+
+
+def run_in_terminal(argv: list[str], env: dict[str, str], timeout: float, columns: int = 160) -> tuple[int, str]:
+    """Run argv with stdin/stdout/stderr on a fresh pseudo-terminal; return (exit code, what the terminal got)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+                            start_new_session=True)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        # Until the process exits, then what is still buffered: a helper it started (Prefect's temporary server)
+        # may hold the terminal open after it exits, so end-of-file cannot be the signal.
+        while True:
+            exited = proc.poll() is not None
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise TimeoutError(f"{argv} still running after {timeout} s:\n{b''.join(chunks).decode()[-3000:]}")
+            if not select.select([master], [], [], 0.2)[0]:
+                if exited:
+                    break
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: nothing holds the terminal any more
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+    return proc.wait(timeout=60), b"".join(chunks).decode(errors="replace")
+
+
+def run_without_terminal(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    done = subprocess.run(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=timeout)
+    return done.returncode, done.stdout.decode(errors="replace")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def test_progress_line_reads_like_a_status_bar():
+    line = progress_line(12, 40, 0.81234, 93.4, 125.0)
+    assert line == "train 12/40 [######..............]  30%  loss 0.8123  93 tokens/s  ETA 2m05s"
+    assert progress_line(1, 40, None, None, None).endswith("ETA --")
+    assert [format_duration(s) for s in (7, 65, 3700)] == ["7s", "1m05s", "1h01m"]
+
+
+def test_progress_line_is_redrawn_in_place_under_a_pty():
+    rc, screen = run_in_terminal([sys.executable, "-c", FEED_EVENTS], child_env(), timeout=120)
+    assert rc == 0, screen
+    draws = [int(m.group(1)) for m in re.finditer(re.escape(CLEAR) + r"train +(\d+)/6", screen)]
+    assert sorted(set(draws)) == list(range(1, 7)) and draws == sorted(draws), screen  # each step, in place
+    after_checkpoint = screen.split("checkpoint saved at step 3", 1)[1]
+    assert after_checkpoint.split(CLEAR)[1].startswith("train 3/6"), screen  # redrawn below the log line
+    assert "ETA 8s" in screen and "loss 0.3333" in screen and "90 tokens/s" in screen
+    assert "step 2/6 loss" not in screen  # the log line is drawn by the live line, not printed beside it
+    assert "INFO | checkpoint saved at step 3" in screen
+    final = screen.rsplit(CLEAR, 1)[1]  # the last state stays on screen as a line of its own
+    assert final.startswith("train 6/6 [####################] 100%") and "\n" in final
+    assert final.index("train 6/6") < final.index("INFO | trained 6 steps")
+
+
+def test_plain_log_lines_without_a_terminal():
+    rc, out = run_without_terminal([sys.executable, "-c", FEED_EVENTS], child_env(), timeout=120)
+    assert rc == 0, out
+    assert "\r" not in out and "\x1b" not in out and not LIVE_LINE.search(out)
+    lines = [line for line in out.splitlines() if "step" in line]
+    assert lines == ["INFO | step 2/6 loss 1.0000 lr 0.001 90.0 tokens/s", "INFO | checkpoint saved at step 3",
+                     "INFO | step 4/6 loss 0.5000 lr 0.001 90.0 tokens/s",
+                     "INFO | step 6/6 loss 0.3333 lr 0.001 90.0 tokens/s", "INFO | trained 6 steps"], out
+
+
+# ---------------------------------------------------------------- the real CLI
+
+
+def cli(cache: Path, runs: Path, seed: int) -> list[str]:
+    overrides = tiny_overrides(cache, runs, **{"train.seed": seed, "train.logging_steps": 2,
+                                              "tracking.report_to": "none", "export.merge": False})
+    return [sys.executable, "flows/finetune.py", *(a for o in overrides for a in ("--set", o))]
+
+
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    """A plain CLI run: its own temporary Prefect server and result storage (not this test session's)."""
+    env = child_env(PREFECT_HOME=str(tmp_path / "prefect-home"),
+                    PREFECT_LOCAL_STORAGE_PATH=str(tmp_path / "prefect-storage"))
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
+@pytest.mark.slow
+def test_cli_run_on_a_terminal_shows_one_live_line_and_no_noise(shared_cache, tmp_path):
+    env = cli_env(tmp_path)
+    rc, screen = run_in_terminal(cli(shared_cache / "cli", tmp_path / "runs", seed=1), env, timeout=900)
+    assert rc == 0, screen[-4000:]
+    steps = [int(m.group(1)) for m in re.finditer(re.escape(CLEAR) + r"train +(\d+)/6", screen)]
+    assert steps and steps[-1] == 6 and sorted(set(steps)) == list(range(1, 7)), screen[-4000:]
+    assert "{'loss'" not in screen and "'train_runtime'" not in screen  # the Trainer's raw dicts are gone
+    assert "step 2/6 loss" not in screen  # drawn by the live line, not printed a second time
+    assert "concurrency limit" not in screen  # a temporary local server has no other runs to queue behind
+
+
+@pytest.mark.slow
+def test_cli_run_without_a_terminal_logs_each_logging_step_once(shared_cache, tmp_path):
+    env = cli_env(tmp_path)
+    rc, out = run_without_terminal(cli(shared_cache / "cli", tmp_path / "runs", seed=2), env, timeout=900)
+    assert rc == 0, out[-4000:]
+    assert "\r" not in out and not LIVE_LINE.search(out)
+    assert [int(s) for s in re.findall(r"step (\d+)/6 loss", out)] == [1, 2, 4, 6], out[-4000:]
+    assert "{'loss'" not in out and "concurrency limit" not in out
+
+
+def test_a_missing_device_limit_is_said_once_at_info_level(prefect_server, caplog, monkeypatch):
+    import logging
+
+    import tasks.concurrency as concurrency
+
+    monkeypatch.setattr(concurrency, "_REPORTED_MISSING", set())
+    with caplog.at_level(logging.INFO, logger="finetune_flows"):
+        for _ in range(3):  # quantize, train, evaluate: three device steps of one run
+            with concurrency.device_slots([]):
+                pass
+    said = [r for r in caplog.records if "no concurrency limit named" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO], [r.getMessage() for r in said]

@@ -1,0 +1,113 @@
+"""Experiment tracking on real tools: a local `mlflow server` (SQLite backend, free port) started by the test,
+read back through MlflowClient; TensorBoard event files read back with TensorBoard's own reader."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_overrides
+from deploy_support import free_port, stop
+from tasks.config import load_config
+from tasks.errors import ConfigError
+from tasks.tracking import check_tracking
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    pytest.importorskip("mlflow", reason="MLflow is the optional `tracking` extra (make test installs it)")
+    tmp = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+                             "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}",
+                             "--artifacts-destination", str(tmp / "artifacts")],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"mlflow server did not start:\n{(tmp / 'server.log').read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield url
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def tracked_run(prefect_server, shared_cache, mlflow_server, tmp_path_factory):
+    from flows.finetune import finetune
+
+    runs = tmp_path_factory.mktemp("runs")
+    return finetune(None, tiny_overrides(shared_cache / "pipeline", runs, **{
+        "tracking.mlflow_uri": mlflow_server, "tracking.mlflow_experiment": "finetune-flows-tests"}))
+
+
+def test_run_is_logged_to_a_real_mlflow_server(tracked_run, mlflow_server, tmp_path):
+    from mlflow import MlflowClient
+
+    result = tracked_run
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name("finetune-flows-tests")
+    (run,) = client.search_runs([experiment.experiment_id], f"attributes.run_name = '{result.run_dir.name}'")
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["model.source"] == "generated:tiny-llama" and params["train.max_steps"] == "6"
+    assert params["tracking.mlflow_uri"] == mlflow_server and params["plan.device"] == "cpu"
+    history = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(s, pytest.approx(v)) for s, v in result.train.loss_curve]
+    metrics = run.data.metrics
+    assert metrics["eval/adapter_loss"] == pytest.approx(result.eval.adapter.loss)
+    assert metrics["eval/base_loss"] == pytest.approx(result.eval.base.loss)
+    assert metrics["train/tokens_per_second"] == pytest.approx(result.train.tokens_per_second)
+
+    listed = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.resolved.yaml", "eval.json", "eval_table.json", "plan.json", "plots", "adapter"} <= listed
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "eval_table.json", str(tmp_path))).read_text())
+    assert table["columns"][:2] == ["model", "eval loss"]
+    assert [row[:2] for row in table["data"]] == [[r["model"], r["eval loss"]] for r in result.eval.table()]
+    config = Path(client.download_artifacts(run.info.run_id, "config.resolved.yaml", str(tmp_path))).read_text()
+    assert config == (result.run_dir / "config.resolved.yaml").read_text()
+    plan = json.loads(Path(client.download_artifacts(run.info.run_id, "plan.json", str(tmp_path))).read_text())
+    assert plan["device"] == "cpu" and plan["nproc"] == 1
+    adapter = Path(client.download_artifacts(run.info.run_id, "adapter", str(tmp_path)))
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (adapter / name).read_bytes() == (result.adapter_path / name).read_bytes()
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "plots")} == {"plots/loss.png", "plots/eval.png"}
+
+
+def test_tensorboard_event_files_land_in_the_run_directory(tracked_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = tracked_run
+    assert result.tensorboard_dir == result.run_dir / "tensorboard"
+    (events,) = {p.parent for p in result.tensorboard_dir.rglob("events.out.tfevents.*")}
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    losses = accumulator.Scalars("train/loss")
+    assert [e.step for e in losses] == [s for s, _ in result.train.loss_curve]
+    assert [e.value for e in losses] == [pytest.approx(v, rel=1e-4) for _, v in result.train.loss_curve]
+
+
+def test_tracking_problems_are_config_errors_before_anything_loads():
+    with pytest.raises(ConfigError, match="no MLflow server answers there"):
+        check_tracking(load_config(None, [f"tracking.mlflow_uri=http://127.0.0.1:{free_port()}"]))
+    with pytest.raises(ConfigError, match="tracking.report_to=no_such_tracker needs the `no_such_tracker` package"):
+        check_tracking(load_config(None, ["tracking.report_to=no_such_tracker"]))
+    with pytest.raises(ConfigError, match="`none` cannot be combined"):
+        load_config(None, ["tracking.report_to=none,tensorboard"])
+    assert load_config(None, ["tracking.report_to=none"]).tracking.report_to == []
