@@ -216,7 +216,18 @@ class HardwareConfig(Section):
 class EvalConfig(Section):
     max_samples: int = Field(100, ge=1, description="Held-out examples used for generation metrics.")
     max_new_tokens: int = Field(16, ge=1, description="Greedy generation length cap.")
-    batch_size: int = Field(16, ge=1, description="Examples per forward/generation batch.")
+    engine: Literal["auto", "static", "continuous", "generate"] = Field(
+        "auto", description="Generation engine. `static`: every prompt at once in length-sorted batches on the "
+        "dequantized evaluation copy, static KV cache, CUDA-graphed decode steps on GPUs; `continuous`: "
+        "transformers' continuous batching (generate_batch) on that copy, best with flash attention; `generate`: "
+        "the reference, model.generate() on the 4-bit model in batches of `batch_size`; `auto`: continuous with "
+        "flash_attention_2/3 on one GPU, else static."
+    )
+    batch_tokens: int | None = Field(
+        None, ge=64, description="Padded tokens per forward pass for the static/continuous engines and the loss "
+        "pass (rows x (longest prompt + max_new_tokens)); None: sized from free GPU memory, 8192 on the CPU."
+    )
+    batch_size: int = Field(16, ge=1, description="Examples per forward/generation batch of the `generate` engine.")
     metric: Literal["exact_match", "contains"] = Field(
         "exact_match", description="`exact_match`: stripped output equals the reference; `contains`: it includes it."
     )

@@ -1,0 +1,291 @@
+"""Greedy generation for evaluation, by one of three engines (`eval.engine`):
+
+- `generate`: the reference. `model.generate()` over padded batches of `eval.batch_size` prompts in input order,
+  on the 4-bit model: what the pipeline always did, kept to compare against and for what the others cannot do.
+- `static`: all prompts sorted by length and cut into few large left-padded batches (`eval.batch_tokens` tokens
+  each), a static KV cache per batch, and on CUDA every decode step replayed from one captured CUDA graph. A
+  decode step of a small model is hundreds of kernel launches and little arithmetic, so replaying it as one
+  graph over hundreds of sequences is what makes generation fast; the prompt is read once (prefill) unpadded
+  in length order.
+- `continuous`: transformers' continuous batching (`generate_batch`: paged KV cache sized here, requests joining
+  and leaving the running batch). It shines with flash attention (varlen kernels, paged decode, CUDA graphs);
+  with sdpa/eager its attention mask spans the whole running batch, so its cost grows with the batch squared.
+- `auto`: `continuous` where it has its fast path (flash_attention_2/3 on one CUDA device), else `static`.
+
+`static` and `continuous` run on the evaluation copy of the base (tasks/dequantize.py) with the LoRA adapter
+unmerged, so base and base + adapter are one model with the adapter switched off and on. Every engine stops at
+the model's EOS/stop tokens and returns, per prompt, the generated token ids up to (not including) the first stop
+token; a prompt the engine failed on is reported, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from tasks.errors import UserInputError
+
+ENGINES = ("auto", "static", "continuous", "generate")
+CONTINUOUS_ATTENTION = ("sdpa", "eager", "paged|eager")  # plus every flash-attention flavour
+
+
+class EngineUnavailable(UserInputError):
+    """The configured engine cannot run with this machine, model placement or attention backend."""
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # generated ids per prompt, in prompt order, without the stop token
+    seconds: float  # wall time of the whole generation, device work finished
+    first_result_seconds: float  # until the first prompt's answer was complete
+    failures: list[str] = field(default_factory=list)  # "prompt 17: <error>" for each prompt that failed
+    details: dict = field(default_factory=dict)  # engine settings actually used (batches, graphs, KV pool)
+
+
+def continuous_supports(attn: str) -> bool:
+    return attn in CONTINUOUS_ATTENTION or "flash" in attn
+
+
+def choose_engine(requested: str, device_type: str, attn: str, devices: int = 1) -> str:
+    """The engine to run, or EngineUnavailable naming why the requested one cannot run here."""
+    if requested not in ENGINES:
+        raise EngineUnavailable(f"eval.engine={requested}: unknown engine; use one of {', '.join(ENGINES)}")
+    if requested == "continuous":
+        if not continuous_supports(attn):
+            raise EngineUnavailable(f"eval.engine=continuous cannot use attention backend {attn}: continuous "
+                                    "batching supports sdpa, eager and flash attention; use eval.engine=static")
+        if devices > 1:
+            raise EngineUnavailable(f"eval.engine=continuous runs on one device, but this model is spread over "
+                                    f"{devices} GPUs; use eval.engine=static (or auto)")
+    if requested != "auto":
+        return requested
+    fast_path = device_type == "cuda" and devices == 1 and attn in ("flash_attention_2", "flash_attention_3")
+    return "continuous" if fast_path else "static"
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The model's EOS/stop tokens (its generation config may list several) plus the tokenizer's EOS."""
+    found = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = list(found) if isinstance(found, (list, tuple)) else [found]
+    ids.append(tokenizer.eos_token_id)
+    return sorted({int(i) for i in ids if i is not None})
+
+
+def _until_stop(tokens: list[int], stops: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[:i]
+    return tokens
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- generate: the reference
+
+
+def generate_reference(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> Generation:
+    """Today's path: `model.generate()` on padded batches of `batch_size` prompts, in input order."""
+    import torch
+
+    device = model.device
+    stops = set(stop_token_ids(model, tokenizer))
+    tokenizer.padding_side = "left"  # generation continues from the right edge
+    outputs: list[list[int]] = []
+    first = None
+    started = time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True,
+                          add_special_tokens=False).to(device)
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(stops))
+        outputs += [_until_stop(row, stops) for row in out[:, batch["input_ids"].shape[1]:].tolist()]
+        first = first or time.perf_counter() - started
+    _sync(device)
+    return Generation(outputs, time.perf_counter() - started, first or 0.0, details={"batch_size": batch_size})
+
+
+# ---------------------------------------------------------------- static: length-sorted batches, CUDA graphs
+
+
+def length_sorted_batches(lengths: list[int], extra: int, batch_tokens: int, max_rows: int = 4096) -> list[list[int]]:
+    """Prompt indices, longest first, cut into batches whose padded size rows * (longest + extra) fits
+    `batch_tokens` (a batch holds at least one prompt)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and len(batches[-1]) < max_rows and \
+                (len(batches[-1]) + 1) * (lengths[batches[-1][0]] + extra) <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+class _DecodeGraph:
+    """One decode step (input token -> next greedy token) captured as a CUDA graph and replayed.
+
+    The static cache advances its own device-side length on every call, so a replay needs no host values: the
+    new tokens and positions are copied into the captured input buffers, the graph is replayed, and the next
+    tokens are read from its output buffer."""
+
+    def __init__(self, step, tokens, positions, mask):
+        import torch
+
+        self.tokens, self.positions, self.mask = tokens.clone(), positions.clone(), mask
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = step(self.tokens, self.positions, self.mask)
+
+    def __call__(self, tokens, positions):
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.out
+
+
+def _static_batch(model, rows: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
+                  cuda_graphs: bool) -> list[list[int]]:
+    import torch
+    from transformers import StaticCache
+
+    device = model.device
+    width = max(map(len, rows))
+    n = len(rows)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width + max_new_tokens), dtype=torch.long)
+    for r, row in enumerate(rows):  # left padding: every prompt ends at column width - 1
+        ids[r, width - len(row):] = torch.tensor(row)
+        mask[r, width - len(row):width] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+    stop = torch.tensor(stops, device=device)
+    cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
+
+    def step(tokens, pos, attn_mask):
+        logits = model(input_ids=tokens, position_ids=pos, attention_mask=attn_mask, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits
+        return logits[:, -1].argmax(-1)
+
+    with torch.no_grad():
+        token = step(ids, positions, mask)  # prefill: the whole prompt at once
+        generated = [token]
+        done = torch.isin(token, stop)
+        pos = positions[:, -1:] + 1
+        graph = None
+        for t in range(1, max_new_tokens):
+            mask[:, width + t - 1] = 1  # the token fed now is the one generated last
+            if graph is not None:
+                token = graph(token[:, None], pos).clone()  # the graph's output buffer is reused
+            elif cuda_graphs and t + 1 < max_new_tokens:
+                side = torch.cuda.Stream(device)  # warm up off the capture stream, as CUDA graphs require
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    token = step(token[:, None], pos, mask)
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = _DecodeGraph(step, token[:, None], pos + 1, mask)
+            else:
+                token = step(token[:, None], pos, mask)
+            generated.append(token)
+            pos = pos + 1
+            done |= torch.isin(token, stop)
+            if t % 8 == 0 and bool(done.all()):  # a host sync: only now and then
+                break
+    return torch.stack(generated, 1).tolist()
+
+
+def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
+                    batch_tokens: int, cuda_graphs: bool | None = None) -> Generation:
+    """Greedy answers of every prompt by length-sorted static batches (see the module doc)."""
+    import torch
+
+    device = model.device
+    cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+    if cuda_graphs and device.type != "cuda":
+        raise EngineUnavailable("CUDA graphs need a CUDA device; this model is on " + str(device))
+    batches = length_sorted_batches([len(p) for p in prompt_ids], max_new_tokens, batch_tokens)
+    stop_set = set(stops)
+    outputs: list[list[int] | None] = [None] * len(prompt_ids)
+    failures: list[str] = []
+    first = None
+    started = time.perf_counter()
+    pending = list(batches)
+    while pending:
+        batch = pending.pop(0)
+        try:
+            rows = _static_batch(model, [prompt_ids[i] for i in batch], max_new_tokens, stops, pad_id, cuda_graphs)
+        except torch.OutOfMemoryError as exc:  # halve the batch; a single prompt that does not fit fails visibly
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            if len(batch) > 1:
+                pending[:0] = [batch[: len(batch) // 2], batch[len(batch) // 2:]]
+            else:
+                failures.append(f"prompt {batch[0]}: out of memory ({str(exc)[:160]})")
+            continue
+        for i, row in zip(batch, rows):
+            outputs[i] = _until_stop(row, stop_set)
+        first = first or time.perf_counter() - started
+    _sync(device)
+    return Generation([o if o is not None else [] for o in outputs], time.perf_counter() - started, first or 0.0,
+                      failures, details={"batches": len(batches), "batch_tokens": batch_tokens,
+                                         "cuda_graphs": cuda_graphs})
+
+
+# ---------------------------------------------------------------- continuous: transformers' continuous batching
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    text = config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * dtype_bytes
+
+
+def generate_continuous(model, prompt_ids: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
+                        batch_tokens: int, memory_bytes: int, cuda_graphs: bool | None = None,
+                        page_size: int = 256) -> Generation:
+    """Greedy answers by `generate_batch`, with the paged KV pool sized for every prompt at once (capped by
+    `memory_bytes`) and each result's `error` checked."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    device = model.device
+    pages = sum(math.ceil((len(p) + max_new_tokens) / page_size) for p in prompt_ids)
+    per_page = kv_bytes_per_token(model.config, torch.finfo(model.dtype).bits // 8) * page_size
+    num_blocks = max(4, min(pages + 2, memory_bytes // per_page))
+    cb = ContinuousBatchingConfig(
+        page_size=page_size, num_blocks=num_blocks, max_batch_tokens=batch_tokens,
+        max_requests_per_batch=min(len(prompt_ids), batch_tokens), use_cuda_graph=cuda_graphs,
+        auto_switch_to_flash=False,  # never reach for a Hub kernel behind our back (offline hosts)
+        allow_block_sharing=False,  # prompts share a system prompt, but prefix reuse changes nothing greedy
+    )
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stops,
+                              pad_token_id=pad_id)
+    started = time.perf_counter()
+    with torch.no_grad():
+        results = model.generate_batch(prompt_ids, generation_config=config, continuous_batching_config=cb)
+    _sync(device)
+    seconds = time.perf_counter() - started
+    ordered = list(results.values())
+    outputs, failures, finished = [], [], []
+    stop_set = set(stops)
+    for i in range(len(prompt_ids)):
+        result = results.get(f"req_{i}")
+        if result is None or result.error is not None:
+            failures.append(f"prompt {i}: " + (result.error if result is not None else "no result returned"))
+            outputs.append([])
+            continue
+        outputs.append(_until_stop(list(result.generated_tokens), stop_set))
+        finished.append(result.lifespan[1])
+    if len(ordered) != len(prompt_ids) and not failures:
+        failures.append(f"{len(prompt_ids)} prompts but {len(ordered)} results")
+    first = (min(finished) - started) if finished else seconds
+    return Generation(outputs, seconds, max(first, 0.0), failures,
+                      details={"num_blocks": num_blocks, "page_size": page_size, "batch_tokens": batch_tokens,
+                               "cuda_graphs": cuda_graphs})
