@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from tasks.config import FinetuneConfig
@@ -21,12 +22,11 @@ from tasks.generation import (
     Generation, choose_engine, generate_continuous, generate_reference, generate_static, kv_bytes_per_token,
     length_sorted_batches, stop_token_ids,
 )
+from tasks.kernels import apply_kernels
 from tasks.launcher import worker_main
 from tasks.metrics import score_answer
 from tasks.quantize import QuantizedModel, torch_dtype
 from tasks.train_worker import PadCollator
-
-CPU_BATCH_TOKENS = 8192
 
 
 def padded_loss(model, dataset, batch_size: int, pad_id: int, device) -> float:
@@ -100,17 +100,21 @@ def placement(copy: Path, device) -> dict:
 
 
 def auto_batch_tokens(model, device) -> int:
-    """Padded tokens per forward that fit in half of the free memory of the model's (first) GPU."""
+    """Padded tokens per forward: what fits in half of the model's (first) GPU's free memory, or in a quarter
+    of the available RAM (at most 4 GiB) on the CPU. Few large batches mean few decode steps, and a decode
+    step of a small model costs about the same for 10 sequences as for 500."""
     import torch
 
-    if device.type != "cuda":
-        return CPU_BATCH_TOKENS
     text = model.config.get_text_config()
     dtype_bytes = torch.finfo(model.dtype).bits // 8
     per_token = kv_bytes_per_token(model.config, dtype_bytes) + \
         (6 * text.hidden_size + 3 * getattr(text, "intermediate_size", 4 * text.hidden_size)) * dtype_bytes
-    free = torch.cuda.mem_get_info(device)[0]
-    return int(max(4096, min(2**18, 0.5 * free // per_token)))
+    if device.type == "cuda":
+        budget = 0.5 * torch.cuda.mem_get_info(device)[0]
+    else:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(0.25 * available, 4 * 2**30)
+    return int(max(4096, min(2**18 if device.type == "cuda" else 2**16, budget // per_token)))
 
 
 def _load_reference(base: QuantizedModel, adapter_path: Path, plan: Plan, device):
@@ -153,6 +157,7 @@ def _evaluate(job: dict) -> dict:
         model = _load_copy(cfg, base, adapter_path, plan, device)
         devices = {str(d) for d in (getattr(model.get_base_model(), "hf_device_map", None) or {"": device}).values()}
         engine = choose_engine(cfg.eval.engine, device.type, plan.eval_attn, len(devices))
+    kernels = apply_kernels(model, cfg.hardware.kernels)
     batch_tokens = cfg.eval.batch_tokens or auto_batch_tokens(model, device)
     print(f"evaluating on {device} with attn_implementation={model.config._attn_implementation}, engine {engine}"
           + ("" if engine == "generate" else f", {batch_tokens} tokens per batch"), flush=True)
@@ -203,6 +208,7 @@ def _evaluate(job: dict) -> dict:
                for p, r, b, a in list(zip(prompts, references, answers["base"], answers["adapter"]))[:5]]
     out = Path(job["out"])
     report = dict(base=scores["base"], adapter=scores["adapter"], metric=cfg.eval.metric, engine=engine,
+                  kernelized=kernels["kernelized"],
                   attn_implementation=model.config._attn_implementation, device=str(device),
                   eval_rows=len(dataset), samples=samples, path=str(out), references=references, predictions=answers)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ class EvalReport(BaseModel):
     adapter: ModelScores
     metric: str
     engine: str = "generate"  # the generation engine that produced the answers (tasks/generation.py)
+    kernelized: dict[str, int] = {}  # Hub kernel layer name -> modules replaced (hardware.kernels)
     attn_implementation: str
     device: str
     eval_rows: int
