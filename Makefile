@@ -103,3 +103,8 @@ worker: pool limits
 # The deployment tests drive the Prefect UI in headless Chromium (Debian's package; CI runs as root).
 test-deps:
 	@command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium)
+
+# Evaluation speed: the reference engine vs the new ones (benchmarks/eval_speed.py); report in benchmarks/results/.
+.PHONY: bench-eval
+bench-eval: $(GPU_SETUP)
+	HF_HUB_OFFLINE=1 $(GPU_PY) benchmarks/eval_speed.py $(ARGS)
