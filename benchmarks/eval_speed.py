@@ -59,13 +59,15 @@ def prepare(args, work: Path, device: str):
     from tasks.launcher import python_module, run_worker, torchrun_module, write_job
     from tasks.quantize import QuantizedModel
 
-    data_file = work / "tickets.jsonl"
-    if not data_file.is_file():
-        write_data(data_file, args.prompts + args.train_rows, args.history, seed=0)
+    # Short rows to train on (the adapter learns fast), varied-length prompts to evaluate.
+    train_file, eval_file = work / "train.jsonl", work / "eval.jsonl"
+    if not eval_file.is_file():
+        write_data(train_file, args.train_rows, 0, seed=1)
+        write_data(eval_file, args.prompts, args.history, seed=2)
     gpu = device == "cuda"
     cfg = load_config(None, [
-        f"model.source={args.model}", f"data.source={data_file}", "data.max_length=1024",
-        f"data.eval_fraction={args.prompts / (args.prompts + args.train_rows)}", f"run.cache_dir={work / 'cache'}",
+        f"model.source={args.model}", f"data.source={train_file}", f"data.eval_source={eval_file}",
+        "data.max_length=1024", f"run.cache_dir={work / 'cache'}",
         f"train.max_steps={args.train_steps}", f"train.save_steps={args.train_steps}", "train.logging_steps=10",
         "train.per_device_batch_size=16", "train.learning_rate=1e-3", "train.warmup_steps=2",
         f"train.gradient_checkpointing={str(gpu).lower()}", f"eval.max_new_tokens={args.new_tokens}",

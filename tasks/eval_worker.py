@@ -176,9 +176,8 @@ def _evaluate(job: dict) -> dict:
             memory = int(0.6 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 2**30
             return generate_continuous(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id,
                                        batch_tokens, memory)
-        graphs = device.type == "cuda" and len(devices) == 1
         return generate_static(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id,
-                               batch_tokens, cuda_graphs=graphs)
+                               batch_tokens, cuda_graphs=None if len(devices) == 1 else False)
 
     scores, answers = {}, {}
     for name in ("base", "adapter"):

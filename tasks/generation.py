@@ -28,6 +28,7 @@ from tasks.errors import UserInputError
 
 ENGINES = ("auto", "static", "continuous", "generate")
 CONTINUOUS_ATTENTION = ("sdpa", "eager", "paged|eager")  # plus every flash-attention flavour
+NON_FLASH_BATCH_TOKENS, NON_FLASH_REQUESTS = 4096, 64  # continuous batching without flash attention
 
 
 class EngineUnavailable(UserInputError):
@@ -151,7 +152,7 @@ class _DecodeGraph:
 
 
 def _static_batch(model, rows: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
-                  cuda_graphs: bool) -> list[list[int]]:
+                  cuda_graphs: bool, notes: list[str]) -> list[list[int]]:
     import torch
     from transformers import StaticCache
 
@@ -189,7 +190,12 @@ def _static_batch(model, rows: list[list[int]], max_new_tokens: int, stops: list
                 with torch.cuda.stream(side):
                     token = step(token[:, None], pos, mask)
                 torch.cuda.current_stream(device).wait_stream(side)
-                graph = _DecodeGraph(step, token[:, None], pos + 1, mask)
+                try:
+                    graph = _DecodeGraph(step, token[:, None], pos + 1, mask)
+                except Exception as exc:  # something in the step cannot be captured: stay eager, say so
+                    cuda_graphs = False
+                    notes.append(f"CUDA graph capture failed, decoding eagerly: {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:200]}")
             else:
                 token = step(token[:, None], pos, mask)
             generated.append(token)
@@ -206,20 +212,23 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     import torch
 
     device = model.device
-    cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+    if cuda_graphs is None:  # flash kernels unpad a padded batch with host-side sizes: not capturable
+        cuda_graphs = device.type == "cuda" and model.config._attn_implementation in ("sdpa", "eager")
     if cuda_graphs and device.type != "cuda":
         raise EngineUnavailable("CUDA graphs need a CUDA device; this model is on " + str(device))
     batches = length_sorted_batches([len(p) for p in prompt_ids], max_new_tokens, batch_tokens)
     stop_set = set(stops)
     outputs: list[list[int] | None] = [None] * len(prompt_ids)
     failures: list[str] = []
+    notes: list[str] = []
     first = None
     started = time.perf_counter()
     pending = list(batches)
     while pending:
         batch = pending.pop(0)
         try:
-            rows = _static_batch(model, [prompt_ids[i] for i in batch], max_new_tokens, stops, pad_id, cuda_graphs)
+            rows = _static_batch(model, [prompt_ids[i] for i in batch], max_new_tokens, stops, pad_id, cuda_graphs,
+                                 notes)
         except torch.OutOfMemoryError as exc:  # halve the batch; a single prompt that does not fit fails visibly
             torch.cuda.empty_cache() if device.type == "cuda" else None
             if len(batch) > 1:
@@ -233,7 +242,7 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     _sync(device)
     return Generation([o if o is not None else [] for o in outputs], time.perf_counter() - started, first or 0.0,
                       failures, details={"batches": len(batches), "batch_tokens": batch_tokens,
-                                         "cuda_graphs": cuda_graphs})
+                                         "cuda_graphs": cuda_graphs, "notes": sorted(set(notes))})
 
 
 # ---------------------------------------------------------------- continuous: transformers' continuous batching
@@ -256,12 +265,18 @@ def generate_continuous(model, prompt_ids: list[list[int]], max_new_tokens: int,
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     device = model.device
+    if "flash" not in model.config._attn_implementation:
+        # sdpa/eager see the running batch as one sequence under a (queries x cached tokens) mask, so the cost of
+        # a step grows with the square of the batch: keep it modest.
+        batch_tokens, max_requests = min(batch_tokens, NON_FLASH_BATCH_TOKENS), NON_FLASH_REQUESTS
+    else:
+        max_requests = batch_tokens
     pages = sum(math.ceil((len(p) + max_new_tokens) / page_size) for p in prompt_ids)
     per_page = kv_bytes_per_token(model.config, torch.finfo(model.dtype).bits // 8) * page_size
     num_blocks = max(4, min(pages + 2, memory_bytes // per_page))
     cb = ContinuousBatchingConfig(
         page_size=page_size, num_blocks=num_blocks, max_batch_tokens=batch_tokens,
-        max_requests_per_batch=min(len(prompt_ids), batch_tokens), use_cuda_graph=cuda_graphs,
+        max_requests_per_batch=min(len(prompt_ids), max_requests), use_cuda_graph=cuda_graphs,
         auto_switch_to_flash=False,  # never reach for a Hub kernel behind our back (offline hosts)
         allow_block_sharing=False,  # prompts share a system prompt, but prefix reuse changes nothing greedy
     )
@@ -288,4 +303,4 @@ def generate_continuous(model, prompt_ids: list[list[int]], max_new_tokens: int,
     first = (min(finished) - started) if finished else seconds
     return Generation(outputs, seconds, max(first, 0.0), failures,
                       details={"num_blocks": num_blocks, "page_size": page_size, "batch_tokens": batch_tokens,
-                               "cuda_graphs": cuda_graphs})
+                               "max_requests": max_requests, "cuda_graphs": cuda_graphs})
