@@ -5,8 +5,8 @@
     python benchmarks/eval_speed.py --variants generate,static,continuous --backends sdpa,flash_attention_4
 
 1. Data: ticket-triage prompts behind 0..`--history` earlier messages, so prompt lengths vary widely.
-2. The pipeline's own steps, in this process: the 4-bit base (tasks/quantize.py) and a short QLoRA adapter
-   (tasks/train_worker.py, `--train-steps`), so the adapter really changes the answers.
+2. The pipeline's own steps (dataset, 4-bit base, a short QLoRA run of `--train-steps` on short rows), under a
+   temporary Prefect server, so the adapter really changes the answers; all cached in `--work` for reruns.
 3. Every variant answers every prompt greedily (`--new-tokens`), base then base + adapter, after an untimed
    warm-up on a few prompts: `generate` is the reference engine (model.generate on the 4-bit model in batches
    of `--baseline-batch`); `static`/`continuous` are the new engines on the dequantized evaluation copy,
@@ -51,13 +51,16 @@ def write_data(path: Path, rows: int, history: int, seed: int) -> None:
 
 
 def prepare(args, work: Path, device: str):
-    """Dataset, 4-bit base and adapter, through the pipeline's own step bodies (reused when already there)."""
+    """Dataset, 4-bit base and adapter, by the pipeline's own steps (reused when already there)."""
+    from prefect.testing.utilities import prefect_test_harness
+
     from tasks.config import load_config
-    from tasks.dataset import PreparedDataset, build_dataset
+    from tasks.dataset import prepare_dataset
     from tasks.environment import Plan
+    from tasks.gpus import read_inventory, selection_for
     from tasks.models import materialize_tokenizer
-    from tasks.launcher import python_module, run_worker, torchrun_module, write_job
-    from tasks.quantize import QuantizedModel
+    from tasks.quantize import quantize_base_model
+    from tasks.train import train_adapter
 
     # Short rows to train on (the adapter learns fast), varied-length prompts to evaluate.
     train_file, eval_file = work / "train.jsonl", work / "eval.jsonl"
@@ -67,34 +70,22 @@ def prepare(args, work: Path, device: str):
     gpu = device == "cuda"
     cfg = load_config(None, [
         f"model.source={args.model}", f"data.source={train_file}", f"data.eval_source={eval_file}",
-        "data.max_length=1024", f"run.cache_dir={work / 'cache'}",
+        "data.max_length=1024", f"run.cache_dir={work / 'cache'}", f"hardware.gpus={'0' if gpu else 'cpu'}",
         f"train.max_steps={args.train_steps}", f"train.save_steps={args.train_steps}", "train.logging_steps=10",
         "train.per_device_batch_size=16", "train.learning_rate=1e-3", "train.warmup_steps=2",
-        f"train.gradient_checkpointing={str(gpu).lower()}", f"eval.max_new_tokens={args.new_tokens}",
-        f"eval.max_samples={args.prompts}", f"eval.batch_size={args.baseline_batch}",
+        f"eval.max_new_tokens={args.new_tokens}", f"eval.max_samples={args.prompts}",
+        f"eval.batch_size={args.baseline_batch}",
     ])
     compute = "bfloat16" if gpu else "float32"
     plan = Plan(device=device, gpu_ids=[0] if gpu else [], nproc=1, precision="bf16" if gpu else "fp32",
                 compute_dtype=compute, train_attn="sdpa", eval_attn="sdpa")
-    data_dir = work / "dataset"
-    if not (data_dir / "DONE").is_file():
-        build_dataset(cfg, materialize_tokenizer(cfg.model.source, cfg.cache_root), data_dir)
-    data = PreparedDataset.model_validate_json((data_dir / "stats.json").read_text())
-    gpu_env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0" if gpu else ""}
-    quantized = work / "quantized"
-    if not (quantized / "quantization.json").is_file():
-        job = write_job(work, "quantize", config=cfg.model_dump(mode="json"), compute_dtype=compute,
-                        out=str(quantized), fingerprint=f"bench-{args.model}-{compute}")
-        run_worker("quantize", python_module("tasks.quantize", job), gpu_env, work)
-    base = QuantizedModel.model_validate_json((quantized / "quantization.json").read_text())
-    trained = work / "train"
-    if not (trained / "train_metrics.json").is_file():
-        job = write_job(work, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(trained),
-                        base=str(base.path), data=str(data.path), load_in_4bit=True, fingerprint="bench")
-        run_worker("train", torchrun_module("tasks.train_worker", job, 1), gpu_env, work)
-    print(f"adapter: {json.loads((trained / 'train_metrics.json').read_text())['final_loss']:.4f} final loss "
-          f"after {args.train_steps} steps", flush=True)
-    return cfg, plan, data, base, trained / "adapter"
+    gpus = selection_for("0" if gpu else "cpu", read_inventory())
+    with prefect_test_harness(server_startup_timeout=120):  # the steps hold device slots through Prefect
+        data = prepare_dataset.fn(cfg, materialize_tokenizer(cfg.model.source, cfg.cache_root))
+        base = quantize_base_model.fn(cfg, plan, gpus, work)
+        trained = train_adapter.fn(cfg, data, base, plan, gpus, work)
+    print(f"adapter: loss {trained.first_loss:.4f} -> {trained.final_loss:.4f} in {trained.steps} steps", flush=True)
+    return cfg, plan, data, base, trained.adapter_path
 
 
 class PeakMemory:

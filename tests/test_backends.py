@@ -105,3 +105,19 @@ def test_probe_results_are_cached_per_gpu_model_and_versions(tmp_path):
     assert not (tmp_path / "work").exists()
     assert measured_timings(cfg, INSTALLED, versions, selection_for("cpu", []), "fp32", "float32",
                             tmp_path / "work") is None
+
+
+def test_gpu_proof_compares_two_different_backends_or_says_it_made_no_comparison():
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("gpu_proof", REPO / "benchmarks" / "gpu_proof.py")
+    proof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proof)
+    only_sdpa = report([H100])  # flash-attn not installed
+    with_fa4 = report([H100], fa4=True)
+    assert proof.other_backend("flash_attention_4", with_fa4)[0] == "sdpa"
+    assert proof.other_backend("sdpa", with_fa4)[0] == "flash_attention_4"
+    other, why = proof.other_backend("sdpa", only_sdpa)
+    assert other is None and "no other attention backend is installed and usable" in why
