@@ -238,8 +238,8 @@ class EvalConfig(Section):
         "auto", description="Generation engine. `static`: every prompt at once in length-sorted batches on the "
         "dequantized evaluation copy, static KV cache, CUDA-graphed decode steps on GPUs; `continuous`: "
         "transformers' continuous batching (generate_batch) on that copy, best with flash attention; `generate`: "
-        "the reference, model.generate() on the 4-bit model in batches of `batch_size`; `auto`: continuous with "
-        "flash_attention_2/3 on one GPU, else static."
+        "the reference, model.generate() on the 4-bit model in batches of `batch_size`; `auto`: static (the "
+        "fastest measured; `make bench-eval` compares them)."
     )
     batch_tokens: int | None = Field(
         None, ge=64, description="Padded tokens per forward pass for the static/continuous engines and the loss "

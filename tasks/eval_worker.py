@@ -149,14 +149,14 @@ def _evaluate(job: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(adapter_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    engine = choose_engine(cfg.eval.engine, device.type, plan.eval_attn)  # refuses before anything loads
+    engine = choose_engine(cfg.eval.engine, plan.eval_attn)  # refuses before anything loads
     devices = {str(device)}
     if engine == "generate":
         model = _load_reference(base, adapter_path, plan, device)
     else:
         model = _load_copy(cfg, base, adapter_path, plan, device)
         devices = {str(d) for d in (getattr(model.get_base_model(), "hf_device_map", None) or {"": device}).values()}
-        engine = choose_engine(cfg.eval.engine, device.type, plan.eval_attn, len(devices))
+        engine = choose_engine(cfg.eval.engine, plan.eval_attn, len(devices))
     kernels = apply_kernels(model, cfg.hardware.kernels)
     batch_tokens = cfg.eval.batch_tokens or auto_batch_tokens(model, device)
     print(f"evaluating on {device} with attn_implementation={model.config._attn_implementation}, engine {engine}"

@@ -2,15 +2,16 @@
 
 - `generate`: the reference. `model.generate()` over padded batches of `eval.batch_size` prompts in input order,
   on the 4-bit model: what the pipeline always did, kept to compare against and for what the others cannot do.
-- `static`: all prompts sorted by length and cut into few large left-padded batches (`eval.batch_tokens` tokens
-  each), a static KV cache per batch, and on CUDA every decode step replayed from one captured CUDA graph. A
-  decode step of a small model is hundreds of kernel launches and little arithmetic, so replaying it as one
-  graph over hundreds of sequences is what makes generation fast; the prompt is read once (prefill) unpadded
-  in length order.
+- `static`: all prompts sorted by length and cut into a few large left-padded batches (`eval.batch_tokens`
+  tokens each, so little padding), a static KV cache per batch, the prompt read in one forward pass, and on CUDA
+  every decode step after the first replayed from one captured CUDA graph. A decode step of a small model is
+  hundreds of kernel launches and little arithmetic, so replaying it as one graph over hundreds of sequences is
+  what makes generation fast. Flash kernels unpad with host-side sizes and cannot be captured: with a flash
+  backend the prompt is read by it and the one-token decode steps run graphed on sdpa.
 - `continuous`: transformers' continuous batching (`generate_batch`: paged KV cache sized here, requests joining
-  and leaving the running batch). It shines with flash attention (varlen kernels, paged decode, CUDA graphs);
+  and leaving the running batch). It is built for flash attention (varlen kernels, paged decode, CUDA graphs);
   with sdpa/eager its attention mask spans the whole running batch, so its cost grows with the batch squared.
-- `auto`: `continuous` where it has its fast path (flash_attention_2/3 on one CUDA device), else `static`.
+- `auto`: `static` (measured fastest here; `make bench-eval` compares the engines on a machine).
 
 `static` and `continuous` run on the evaluation copy of the base (tasks/dequantize.py) with the LoRA adapter
 unmerged, so base and base + adapter are one model with the adapter switched off and on. Every engine stops at
@@ -29,6 +30,7 @@ from tasks.errors import UserInputError
 ENGINES = ("auto", "static", "continuous", "generate")
 CONTINUOUS_ATTENTION = ("sdpa", "eager", "paged|eager")  # plus every flash-attention flavour
 NON_FLASH_BATCH_TOKENS, NON_FLASH_REQUESTS = 4096, 64  # continuous batching without flash attention
+PREFILL_TOKENS = {False: 8192, True: 65536}  # prompt tokens per prefill chunk (CPU, CUDA)
 
 
 class EngineUnavailable(UserInputError):
@@ -48,7 +50,7 @@ def continuous_supports(attn: str) -> bool:
     return attn in CONTINUOUS_ATTENTION or "flash" in attn
 
 
-def choose_engine(requested: str, device_type: str, attn: str, devices: int = 1) -> str:
+def choose_engine(requested: str, attn: str, devices: int = 1) -> str:
     """The engine to run, or EngineUnavailable naming why the requested one cannot run here."""
     if requested not in ENGINES:
         raise EngineUnavailable(f"eval.engine={requested}: unknown engine; use one of {', '.join(ENGINES)}")
@@ -59,10 +61,7 @@ def choose_engine(requested: str, device_type: str, attn: str, devices: int = 1)
         if devices > 1:
             raise EngineUnavailable(f"eval.engine=continuous runs on one device, but this model is spread over "
                                     f"{devices} GPUs; use eval.engine=static (or auto)")
-    if requested != "auto":
-        return requested
-    fast_path = device_type == "cuda" and devices == 1 and attn in ("flash_attention_2", "flash_attention_3")
-    return "continuous" if fast_path else "static"
+    return "static" if requested == "auto" else requested
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -152,9 +151,10 @@ class _DecodeGraph:
 
 
 def _static_batch(model, rows: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
-                  cuda_graphs: bool, notes: list[str]) -> list[list[int]]:
+                  cuda_graphs: bool, decode_attn: str, prefill_tokens: int, notes: list[str]) -> list[list[int]]:
     import torch
     from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
 
     device = model.device
     width = max(map(len, rows))
@@ -168,42 +168,95 @@ def _static_batch(model, rows: list[list[int]], max_new_tokens: int, stops: list
     positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
     stop = torch.tensor(stops, device=device)
     cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
+    prefill_rows = max(1, prefill_tokens // width)
 
-    def step(tokens, pos, attn_mask):
-        logits = model(input_ids=tokens, position_ids=pos, attention_mask=attn_mask, past_key_values=cache,
+    def step(tokens, pos, attn_mask, past=cache):
+        logits = model(input_ids=tokens, position_ids=pos, attention_mask=attn_mask, past_key_values=past,
                        use_cache=True, logits_to_keep=1).logits
         return logits[:, -1].argmax(-1)
 
+    prefill_attn = model.config._attn_implementation
     with torch.no_grad():
-        token = step(ids, positions, mask)  # prefill: the whole prompt at once
-        generated = [token]
-        done = torch.isin(token, stop)
-        pos = positions[:, -1:] + 1
-        graph = None
-        for t in range(1, max_new_tokens):
-            mask[:, width + t - 1] = 1  # the token fed now is the one generated last
-            if graph is not None:
-                token = graph(token[:, None], pos).clone()  # the graph's output buffer is reused
-            elif cuda_graphs and t + 1 < max_new_tokens:
-                side = torch.cuda.Stream(device)  # warm up off the capture stream, as CUDA graphs require
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    token = step(token[:, None], pos, mask)
-                torch.cuda.current_stream(device).wait_stream(side)
-                try:
-                    graph = _DecodeGraph(step, token[:, None], pos + 1, mask)
-                except Exception as exc:  # something in the step cannot be captured: stay eager, say so
-                    cuda_graphs = False
-                    notes.append(f"CUDA graph capture failed, decoding eagerly: {type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0][:200]}")
-            else:
+        if all(type(layer) is StaticLayer for layer in cache.layers):
+            token = _prefill_in_chunks(step, cache, ids, positions, mask[:, :width], prefill_rows)
+        else:  # sliding-window layers and the like: prefill straight into the static cache
+            token = step(ids, positions, mask)
+        if decode_attn != prefill_attn:
+            model.set_attn_implementation(decode_attn)
+        try:
+            out = _decode(step, cache, token, positions[:, -1:] + 1, mask, width, max_new_tokens, stop, cuda_graphs,
+                          notes)
+        finally:
+            if decode_attn != prefill_attn:
+                model.set_attn_implementation(prefill_attn)
+    return out.tolist()
+
+
+def _prefill_in_chunks(step, cache, ids, positions, mask, rows_per_chunk: int):
+    """Read the prompts a few rows at a time, each chunk attending to its own prompts only, and copy their keys
+    and values into the static cache: the attention does not span the cache's empty decode columns, and on a CPU
+    a chunk's activations stay in the processor caches (big batches pay off in decoding, not here)."""
+    import torch
+    from transformers import DynamicCache
+
+    tokens = []
+    for start in range(0, ids.shape[0], rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        chunk_cache = DynamicCache(config=None)
+        tokens.append(step(ids[rows], positions[rows], mask[rows], chunk_cache))
+        for static_layer, layer in zip(cache.layers, chunk_cache.layers):
+            if not static_layer.is_initialized:  # allocate for the whole batch, shaped like the chunk's keys
+                shape = (ids.shape[0], *layer.keys.shape[1:2], 1, layer.keys.shape[-1])
+                static_layer.lazy_initialization(layer.keys.new_empty(shape), layer.values.new_empty(
+                    (ids.shape[0], *layer.values.shape[1:2], 1, layer.values.shape[-1])))
+            width = layer.keys.shape[-2]
+            static_layer.keys[rows, :, :width] = layer.keys
+            static_layer.values[rows, :, :width] = layer.values
+    for static_layer in cache.layers:
+        static_layer.cumulative_length.fill_(ids.shape[1])
+    return torch.cat(tokens)
+
+
+def _decode(step, cache, token, pos, mask, width: int, max_new_tokens: int, stop, cuda_graphs: bool,
+            notes: list[str]):
+    """The greedy steps after the prefill's token, as a (rows x max_new_tokens) tensor padded with a stop token.
+
+    On CUDA the second step is captured as a graph and the rest are replays. Without graphs, rows that reached a
+    stop token leave the batch (and the KV cache), so a batch costs what its unfinished rows need."""
+    import torch
+
+    out = torch.full((token.shape[0], max_new_tokens), int(stop[0]), dtype=torch.long, device=token.device)
+    out[:, 0] = token
+    active = torch.arange(token.shape[0], device=token.device)
+    done, graph = torch.isin(token, stop), None
+    for t in range(1, max_new_tokens):
+        if bool(done.all()):
+            break
+        if graph is None and not cuda_graphs and bool(done.any()):
+            keep = (~done).nonzero().squeeze(1)
+            cache.reorder_cache(keep)
+            token, pos, mask, active, done = token[keep], pos[keep], mask[keep], active[keep], done[keep]
+        mask[:, width + t - 1] = 1  # the token fed now is the one generated last
+        if graph is not None:
+            token = graph(token[:, None], pos).clone()  # the graph's output buffer is reused
+        elif cuda_graphs and t + 1 < max_new_tokens:
+            side = torch.cuda.Stream(token.device)  # warm up off the capture stream, as CUDA graphs require
+            side.wait_stream(torch.cuda.current_stream(token.device))
+            with torch.cuda.stream(side):
                 token = step(token[:, None], pos, mask)
-            generated.append(token)
-            pos = pos + 1
-            done |= torch.isin(token, stop)
-            if t % 8 == 0 and bool(done.all()):  # a host sync: only now and then
-                break
-    return torch.stack(generated, 1).tolist()
+            torch.cuda.current_stream(token.device).wait_stream(side)
+            try:
+                graph = _DecodeGraph(step, token[:, None], pos + 1, mask)
+            except Exception as exc:  # something in the step cannot be captured: stay eager, say so
+                cuda_graphs = False
+                notes.append(f"CUDA graph capture failed, decoding eagerly: {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:200]}")
+        else:
+            token = step(token[:, None], pos, mask)
+        out[active, t] = token
+        pos = pos + 1
+        done |= torch.isin(token, stop)
+    return out
 
 
 def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
@@ -212,10 +265,14 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     import torch
 
     device = model.device
-    if cuda_graphs is None:  # flash kernels unpad a padded batch with host-side sizes: not capturable
-        cuda_graphs = device.type == "cuda" and model.config._attn_implementation in ("sdpa", "eager")
     if cuda_graphs and device.type != "cuda":
         raise EngineUnavailable("CUDA graphs need a CUDA device; this model is on " + str(device))
+    prefill_attn = model.config._attn_implementation
+    # Flash kernels unpad a padded batch using host-side sizes, which a CUDA graph cannot capture: with them the
+    # prompt is read by the flash kernel and the decode steps (one token per row) run graphed on sdpa.
+    cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+    decode_attn = "sdpa" if cuda_graphs and prefill_attn not in ("sdpa", "eager") else prefill_attn
+    prefill_tokens = min(batch_tokens, PREFILL_TOKENS[device.type == "cuda"])
     batches = length_sorted_batches([len(p) for p in prompt_ids], max_new_tokens, batch_tokens)
     stop_set = set(stops)
     outputs: list[list[int] | None] = [None] * len(prompt_ids)
@@ -228,7 +285,7 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
         batch = pending.pop(0)
         try:
             rows = _static_batch(model, [prompt_ids[i] for i in batch], max_new_tokens, stops, pad_id, cuda_graphs,
-                                 notes)
+                                 decode_attn, prefill_tokens, notes)
         except torch.OutOfMemoryError as exc:  # halve the batch; a single prompt that does not fit fails visibly
             torch.cuda.empty_cache() if device.type == "cuda" else None
             if len(batch) > 1:
@@ -242,7 +299,8 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     _sync(device)
     return Generation([o if o is not None else [] for o in outputs], time.perf_counter() - started, first or 0.0,
                       failures, details={"batches": len(batches), "batch_tokens": batch_tokens,
-                                         "cuda_graphs": cuda_graphs, "notes": sorted(set(notes))})
+                                         "cuda_graphs": cuda_graphs, "prefill_attention": prefill_attn,
+                                         "decode_attention": decode_attn, "notes": sorted(set(notes))})
 
 
 # ---------------------------------------------------------------- continuous: transformers' continuous batching
