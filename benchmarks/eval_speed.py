@@ -56,7 +56,7 @@ def prepare(args, work: Path, device: str):
 
     from tasks.config import load_config
     from tasks.dataset import prepare_dataset
-    from tasks.environment import Plan
+    from tasks.environment import Plan, _cpu_bf16
     from tasks.gpus import read_inventory, selection_for
     from tasks.models import materialize_tokenizer
     from tasks.quantize import quantize_base_model
@@ -72,13 +72,14 @@ def prepare(args, work: Path, device: str):
         f"model.source={args.model}", f"data.source={train_file}", f"data.eval_source={eval_file}",
         "data.max_length=1024", f"run.cache_dir={work / 'cache'}", f"hardware.gpus={'0' if gpu else 'cpu'}",
         f"train.max_steps={args.train_steps}", f"train.save_steps={args.train_steps}", "train.logging_steps=10",
-        "train.per_device_batch_size=16", "train.learning_rate=1e-3", "train.warmup_steps=2",
+        "train.per_device_batch_size=16", f"train.learning_rate={args.learning_rate}", "train.warmup_steps=2",
         f"eval.max_new_tokens={args.new_tokens}", f"eval.max_samples={args.prompts}",
         f"eval.batch_size={args.baseline_batch}",
     ])
     compute = "bfloat16" if gpu else "float32"
     plan = Plan(device=device, gpu_ids=[0] if gpu else [], nproc=1, precision="bf16" if gpu else "fp32",
-                compute_dtype=compute, train_attn="sdpa", eval_attn="sdpa")
+                compute_dtype=compute, train_attn="sdpa", eval_attn="sdpa",
+                eval_dtype="bfloat16" if not gpu and _cpu_bf16() else compute)  # as resolve_plan's eval.dtype=auto
     gpus = selection_for("0" if gpu else "cpu", read_inventory())
     with prefect_test_harness(server_startup_timeout=120):  # the steps hold device slots through Prefect
         data = prepare_dataset.fn(cfg, materialize_tokenizer(cfg.model.source, cfg.cache_root))
@@ -210,7 +211,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--history", type=int, default=None, help="max earlier messages per prompt (12 GPU, 6 CPU)")
     parser.add_argument("--train-rows", type=int, default=2000)
-    parser.add_argument("--train-steps", type=int, default=None, help="QLoRA steps (60 GPU, 30 CPU)")
+    parser.add_argument("--train-steps", type=int, default=None, help="QLoRA steps (60 GPU, 120 CPU)")
+    parser.add_argument("--learning-rate", type=float, default=None, help="QLoRA learning rate (1e-3 GPU, 5e-3 CPU)")
     parser.add_argument("--baseline-batch", type=int, default=50, help="reference engine batch size")
     parser.add_argument("--batch-tokens", type=int, default=None, help="static/continuous tokens per batch "
                         "(default: what the eval worker picks)")
@@ -239,7 +241,8 @@ def main() -> int:
     device = torch.device("cuda:0" if gpu else "cpu")
     args.model = args.model or ("generated:qwen3-0.6b" if gpu else "generated:tiny-llama")
     args.history = args.history if args.history is not None else (12 if gpu else 6)
-    args.train_steps = args.train_steps or (60 if gpu else 30)
+    args.train_steps = args.train_steps or (60 if gpu else 120)
+    args.learning_rate = args.learning_rate or (1e-3 if gpu else 5e-3)
     work = Path(args.work or f"/tmp/finetune-flows-eval-bench-{args.model.split(':')[-1]}")
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -284,7 +287,8 @@ def main() -> int:
             continue
         for name in wanted:
             if name == "generate" or (name.endswith(("eager", "graphs")) and not gpu) or \
-                    (name.startswith("continuous") and not continuous_supports(backend)):
+                    (name.startswith("continuous") and not continuous_supports(backend)) or \
+                    (backend == "flex_attention" and name != "static"):  # flex compiles per shape: one row
                 continue
             label = name if backend == "sdpa" else f"{name}[{backend}]"
             try:
@@ -306,7 +310,7 @@ def main() -> int:
     if gpu and len(backends) > 1:
         probe = measure_on_device(0, backends, attention_shape(cfg), "bfloat16")
         attention, why = choose(probe, backends, "eval")
-    engine = choose_engine("auto", device.type, attention)
+    engine = choose_engine("auto", attention)
     auto_name = engine if attention == "sdpa" else f"{engine}[{attention}]"
     auto_row = next((r for r in rows if r["variant"] == auto_name and "error" not in r), None)
     measured = [r for r in rows if "error" not in r and r["variant"] != "generate"]
@@ -323,8 +327,10 @@ def main() -> int:
         "shape": {"model": args.model, "prompts": len(prompts), "new_tokens": new, "history": args.history,
                   "prompt_tokens_min_mean_max": [min(map(len, ids)), round(sum(map(len, ids)) / len(ids), 1),
                                                  max(map(len, ids))],
-                  "train_steps": args.train_steps, "baseline_batch": args.baseline_batch,
-                  "batch_tokens": batch_tokens, "dtype": plan.compute_dtype},
+                  "train_steps": args.train_steps, "learning_rate": args.learning_rate,
+                  "baseline_batch": args.baseline_batch,
+                  "batch_tokens": batch_tokens, "dtype": plan.compute_dtype,
+                  "eval_dtype": str(copy_model.dtype).removeprefix("torch.")},
         "cpu": {"torch_threads": torch.get_num_threads(), "cores": os.cpu_count(),
                 "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
         "versions": {"python": platform.python_version(), **{d: _version(d) for d in STACK},

@@ -245,6 +245,12 @@ class EvalConfig(Section):
         None, ge=64, description="Padded tokens per forward pass for the static/continuous engines and the loss "
         "pass (rows x (longest prompt + max_new_tokens)); None: sized from free memory (GPU, or RAM on the CPU)."
     )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Compute dtype of the static/continuous engines (the evaluation copy is cast to it "
+        "when loaded): `auto` is the compute dtype on GPUs; on a CPU with native bf16 matrix instructions "
+        "(AVX512-BF16 or AMX) it is bfloat16, which is what bitsandbytes' 4-bit CPU kernel computes in there too, "
+        "else float32."
+    )
     batch_size: int = Field(16, ge=1, description="Examples per forward/generation batch of the `generate` engine.")
     metric: Literal["exact_match", "contains"] = Field(
         "exact_match", description="`exact_match`: stripped output equals the reference; `contains`: it includes it."

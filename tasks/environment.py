@@ -45,6 +45,7 @@ class EnvironmentReport(BaseModel):
     hub_reachable: bool
     attention_timings: list[BackendTiming] = []  # the attention probes behind `auto` (tasks/backends.py)
     kernels: dict[str, str] = {}  # hardware.kernels layer -> "loads (...)" or why not (tasks/kernels.py)
+    cpu_bf16: bool = False  # native bf16 matrix instructions on this CPU (AVX512-BF16 or AMX)
 
     def usable(self, backend: str) -> bool:
         return self.attention.get(backend) == "available"
@@ -60,6 +61,7 @@ class Plan(BaseModel):
     compute_dtype: str  # bfloat16 | float16 | float32
     train_attn: str
     eval_attn: str
+    eval_dtype: str = ""  # compute dtype of the static/continuous evaluation engines ("" = compute_dtype)
     attention_choice: dict[str, str] = {}  # purpose -> why that backend (measured timings, configured, CPU)
 
 
@@ -78,6 +80,12 @@ def _hub_reachable() -> bool:
         return True
     except OSError:
         return False
+
+
+def _cpu_bf16() -> bool:
+    import torch
+
+    return any(getattr(torch.cpu, f"_is_{feature}_supported", lambda: False)() for feature in ("avx512_bf16", "amx_tile"))
 
 
 def probe(kernels: dict[str, str] | None = None) -> EnvironmentReport:
@@ -106,7 +114,7 @@ def probe(kernels: dict[str, str] | None = None) -> EnvironmentReport:
         python=sys.version.split()[0], platform=platform.platform(), torch=torch.__version__,
         cuda_available=cuda, cuda_version=torch.version.cuda, driver_version=driver, gpus=gpus,
         versions=versions, attention=installed(cuda, versions), bitsandbytes_4bit=bnb,
-        hub_reachable=_hub_reachable(), kernels=check_kernels(kernels or {}),
+        hub_reachable=_hub_reachable(), kernels=check_kernels(kernels or {}), cpu_bf16=_cpu_bf16(),
     )
 
 
@@ -149,6 +157,14 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
         problems.append(f"eval.engine=continuous cannot use attention backend {eval_attn}: continuous batching "
                         "supports sdpa, eager and flash attention; use eval.engine=static or auto")
 
+    eval_dtype = cfg.eval.dtype
+    if eval_dtype == "auto":
+        eval_dtype = "bfloat16" if not on_gpu and env.cpu_bf16 else compute
+    elif eval_dtype == "bfloat16" and no_bf16:
+        problems.append(f"eval.dtype=bfloat16, but GPU {no_bf16[0].index} ({no_bf16[0].name}) has no bf16")
+    elif eval_dtype == "float16" and not on_gpu:
+        problems.append("eval.dtype=float16 needs a GPU; on the CPU use float32, bfloat16 or auto")
+
     src = cfg.model.source
     if not (src.startswith(("builtin:", "generated:")) or Path(src).expanduser().exists()) and not env.hub_reachable:
         problems.append(f"model.source={src} is neither a built-in, a generated model nor an existing local path, "
@@ -159,7 +175,8 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
         raise EnvironmentMismatch(problems, "config vs environment")
     nproc = len(selection.ids) if on_gpu else cfg.hardware.cpu_processes
     return Plan(device=selection.device_type, gpu_ids=selection.ids, nproc=nproc, precision=p,
-                compute_dtype=compute, train_attn=train_attn, eval_attn=eval_attn, attention_choice=why)
+                compute_dtype=compute, train_attn=train_attn, eval_attn=eval_attn, eval_dtype=eval_dtype,
+                attention_choice=why)
 
 
 def report_markdown(env: EnvironmentReport, plan: Plan | None = None) -> str:

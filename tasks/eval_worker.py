@@ -47,8 +47,8 @@ def padded_loss(model, dataset, batch_size: int, pad_id: int, device) -> float:
     return total / max(count, 1)
 
 
-def answer_loss(model, dataset, batch_tokens: int, pad_id: int, device) -> float:
-    """Mean cross-entropy over the answer tokens, computing only what it needs.
+def answer_loss(model, dataset, batch_tokens: int, pad_id: int, device) -> tuple[float, int]:
+    """Summed cross-entropy over the answer tokens and their count, computing only what it needs.
 
     Rows are sorted by length into batches of about `batch_tokens` padded tokens and left-padded, so every row
     ends in the same column and the answers sit in the last columns; the model is asked for logits of those
@@ -75,14 +75,35 @@ def answer_loss(model, dataset, batch_tokens: int, pad_id: int, device) -> float
             continue
         keep = width - int(scored[0])  # logits of positions first..width-1 predict targets first+1..width
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        columns = torch.arange(width - keep, width, device=device)  # an index, not a slice: see last_position
         with torch.no_grad():
             logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                           logits_to_keep=keep, use_cache=False).logits[:, :-1].float()
+                           logits_to_keep=columns, use_cache=False).logits[:, :-1].float()
         wanted = targets[:, width - keep:].to(logits.device)
         total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), wanted.reshape(-1),
                                                          ignore_index=IGNORE_INDEX, reduction="sum"))
         count += int((wanted != IGNORE_INDEX).sum())
-    return total / max(count, 1)
+    return total, count
+
+
+def shared_answers(dataset, prompt_ids: list[list[int]]) -> tuple[list, list]:
+    """Per prompt, the eval row that is exactly that prompt followed by its scored answer, as (answer ids,
+    labels), so the static engine scores the answer from the prompt's cache while generating; and the rows left
+    for the separate loss pass (multi-turn rows, rows beyond eval.max_samples, prompts tokenized differently)."""
+    slots: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompt_ids):
+        slots.setdefault(tuple(p), []).append(i)
+    answers: list = [None] * len(prompt_ids)
+    rest = []
+    for row in dataset:
+        labels = row["labels"]
+        first = next((j for j, label in enumerate(labels) if label != IGNORE_INDEX), 0)
+        matches = slots.get(tuple(row["input_ids"][:first])) if first else None
+        if matches:
+            answers[matches.pop(0)] = (row["input_ids"][first:], labels[first:])
+        else:
+            rest.append(row)
+    return answers, rest
 
 
 def placement(copy: Path, device) -> dict:
@@ -132,7 +153,7 @@ def _load_copy(cfg: FinetuneConfig, base: QuantizedModel, adapter_path: Path, pl
     from transformers import AutoModelForCausalLM
 
     copy = dequantized_copy(base, cfg.cache_root, str(device))
-    model = AutoModelForCausalLM.from_pretrained(copy, dtype=torch_dtype(plan.compute_dtype),
+    model = AutoModelForCausalLM.from_pretrained(copy, dtype=torch_dtype(plan.eval_dtype or plan.compute_dtype),
                                                  attn_implementation=plan.eval_attn, **placement(copy, device))
     return PeftModel.from_pretrained(model, adapter_path).eval()
 
@@ -160,7 +181,7 @@ def _evaluate(job: dict) -> dict:
     kernels = apply_kernels(model, cfg.hardware.kernels)
     batch_tokens = cfg.eval.batch_tokens or auto_batch_tokens(model, device)
     print(f"evaluating on {device} with attn_implementation={model.config._attn_implementation}, engine {engine}"
-          + ("" if engine == "generate" else f", {batch_tokens} tokens per batch"), flush=True)
+          + ("" if engine == "generate" else f" in {model.dtype}, {batch_tokens} tokens per batch"), flush=True)
 
     dataset = load_split(data_path, "eval")
     pairs = [json.loads(line) for line in (data_path / "eval_prompts.jsonl").read_text().splitlines()]
@@ -168,6 +189,8 @@ def _evaluate(job: dict) -> dict:
     prompts, references = [p["prompt"] for p in pairs], [p["reference"] for p in pairs]
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     stops = stop_token_ids(model, tokenizer)
+
+    shared, rest = shared_answers(dataset, prompt_ids) if engine == "static" else ([None] * len(prompts), dataset)
 
     def generate() -> Generation:
         if engine == "generate":
@@ -177,7 +200,7 @@ def _evaluate(job: dict) -> dict:
             return generate_continuous(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id,
                                        batch_tokens, memory)
         return generate_static(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id,
-                               batch_tokens, cuda_graphs=None if len(devices) == 1 else False)
+                               batch_tokens, cuda_graphs=None if len(devices) == 1 else False, answers=shared)
 
     scores, answers = {}, {}
     for name in ("base", "adapter"):
@@ -185,14 +208,16 @@ def _evaluate(job: dict) -> dict:
             model.base_model.disable_adapter_layers()
         else:
             model.base_model.enable_adapter_layers()
-        if engine == "generate":
-            loss = padded_loss(model, dataset, cfg.eval.batch_size, tokenizer.pad_token_id, device)
-        else:
-            loss = answer_loss(model, dataset, batch_tokens, tokenizer.pad_token_id, device)
         gen = generate() if prompts else Generation([], 0.0, 0.0)
         if gen.failures:
             raise RuntimeError(f"{engine} engine: {len(gen.failures)} of {len(prompts)} prompts failed: "
                                + "; ".join(gen.failures[:5]))
+        if engine == "generate":
+            loss = padded_loss(model, dataset, cfg.eval.batch_size, tokenizer.pad_token_id, device)
+        else:  # the rows the static engine scored while generating, plus a loss pass over the others
+            total, count = answer_loss(model, rest, batch_tokens, tokenizer.pad_token_id, device)
+            shared_loss, shared_count = gen.details.get("loss", (0.0, 0))
+            loss = (total + shared_loss) / max(count + shared_count, 1)
         generated = tokenizer.batch_decode(gen.tokens, skip_special_tokens=True)
         hits = [score_answer(g, r, cfg.eval.metric) for g, r in zip(generated, references)]
         answers[name] = generated
@@ -207,6 +232,7 @@ def _evaluate(job: dict) -> dict:
                for p, r, b, a in list(zip(prompts, references, answers["base"], answers["adapter"]))[:5]]
     out = Path(job["out"])
     report = dict(base=scores["base"], adapter=scores["adapter"], metric=cfg.eval.metric, engine=engine,
+                  dtype=str(model.dtype).removeprefix("torch."),
                   kernelized=kernels["kernelized"],
                   attn_implementation=model.config._attn_implementation, device=str(device),
                   eval_rows=len(dataset), samples=samples, path=str(out), references=references, predictions=answers)

@@ -39,6 +39,7 @@ class EvalReport(BaseModel):
     metric: str
     engine: str = "generate"  # the generation engine that produced the answers (tasks/generation.py)
     kernelized: dict[str, int] = {}  # Hub kernel layer name -> modules replaced (hardware.kernels)
+    dtype: str = ""  # compute dtype the answers and losses were computed in
     attn_implementation: str
     device: str
     eval_rows: int
@@ -62,7 +63,7 @@ class EvalReport(BaseModel):
 def eval_fingerprint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter_path: Path,
                      plan: Plan) -> str:
     return combine(data.fingerprint, base.fingerprint, hash_tree(adapter_path), cfg.eval.fingerprint(),
-                   plan.eval_attn, plan.device,
+                   plan.eval_attn, plan.eval_dtype, plan.device,
                    code_version("evaluate", "eval_worker", "metrics", "generation", "dequantize"))
 
 

@@ -128,6 +128,15 @@ def length_sorted_batches(lengths: list[int], extra: int, batch_tokens: int, max
     return batches
 
 
+def last_position(tokens):
+    """`logits_to_keep` for the last position. An int slices the hidden states into a non-contiguous view, which
+    the CPU's bf16 matmul turns into a batched matmul over a copy of the (vocabulary-sized) lm_head weight per row;
+    an index tensor gathers a contiguous row instead."""
+    import torch
+
+    return 1 if tokens.shape[1] == 1 else torch.tensor([tokens.shape[1] - 1], device=tokens.device)
+
+
 class _DecodeGraph:
     """One decode step (input token -> next greedy token) captured as a CUDA graph and replayed.
 
@@ -150,8 +159,11 @@ class _DecodeGraph:
         return self.out
 
 
-def _static_batch(model, rows: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
-                  cuda_graphs: bool, decode_attn: str, prefill_tokens: int, notes: list[str]) -> list[list[int]]:
+def _static_batch(model, rows: list[list[int]], answers: list | None, max_new_tokens: int, stops: list[int],
+                  pad_id: int, cuda_graphs: bool, decode_attn: str, prefill_tokens: int,
+                  notes: list[str]) -> tuple[list[list[int]], float, int]:
+    """Greedy tokens for one left-padded batch, and the summed cross-entropy (and its token count) of the answers
+    given for its rows (see `generate_static`)."""
     import torch
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
@@ -159,28 +171,38 @@ def _static_batch(model, rows: list[list[int]], max_new_tokens: int, stops: list
     device = model.device
     width = max(map(len, rows))
     n = len(rows)
+    teacher = max((len(a[0]) - 1 for a in answers or [] if a), default=0)  # answer tokens fed back as inputs
+    extra = max(max_new_tokens, teacher)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width + max_new_tokens), dtype=torch.long)
+    mask = torch.zeros((n, width + extra), dtype=torch.long)
     for r, row in enumerate(rows):  # left padding: every prompt ends at column width - 1
         ids[r, width - len(row):] = torch.tensor(row)
         mask[r, width - len(row):width] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
     stop = torch.tensor(stops, device=device)
-    cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
-    prefill_rows = max(1, prefill_tokens // width)
+    cache = StaticCache(config=model.config, max_cache_len=width + extra)
+    plain = all(type(layer) is StaticLayer for layer in cache.layers)
 
-    def step(tokens, pos, attn_mask, past=cache):
-        logits = model(input_ids=tokens, position_ids=pos, attention_mask=attn_mask, past_key_values=past,
-                       use_cache=True, logits_to_keep=1).logits
-        return logits[:, -1].argmax(-1)
+    def logits_at(tokens, pos, attn_mask, past=cache, keep=None):
+        return model(input_ids=tokens, position_ids=pos, attention_mask=attn_mask, past_key_values=past,
+                     use_cache=True, logits_to_keep=last_position(tokens) if keep is None else keep).logits
+
+    def step(tokens, pos, attn_mask):
+        return logits_at(tokens, pos, attn_mask)[:, -1].argmax(-1)
 
     prefill_attn = model.config._attn_implementation
+    loss, count = 0.0, 0
     with torch.no_grad():
-        if all(type(layer) is StaticLayer for layer in cache.layers):
-            token = _prefill_in_chunks(step, cache, ids, positions, mask[:, :width], prefill_rows)
+        if plain:
+            last = _prefill_in_chunks(logits_at, cache, ids, positions, mask[:, :width],
+                                      max(1, prefill_tokens // width))
         else:  # sliding-window layers and the like: prefill straight into the static cache
-            token = step(ids, positions, mask)
+            last = logits_at(ids, positions, mask[:, :width + extra])[:, -1]
+        token = last.argmax(-1)
+        if answers and plain:
+            loss, count = _answer_loss(logits_at, cache, last, answers, width, positions, mask, pad_id)
+        del last
         if decode_attn != prefill_attn:
             model.set_attn_implementation(decode_attn)
         try:
@@ -189,32 +211,75 @@ def _static_batch(model, rows: list[list[int]], max_new_tokens: int, stops: list
         finally:
             if decode_attn != prefill_attn:
                 model.set_attn_implementation(prefill_attn)
-    return out.tolist()
+    return out.tolist(), loss, count
 
 
-def _prefill_in_chunks(step, cache, ids, positions, mask, rows_per_chunk: int):
+def _answer_loss(logits_at, cache, last, answers: list, width: int, positions, mask, pad_id: int) -> tuple[float, int]:
+    """Cross-entropy of each row's given answer after its prompt, read from the prompt's cached keys and values
+    instead of a second pass over the prompt: the prefill's last logits predict the answer's first token, and one
+    forward pass over the answer (teacher forcing) the rest. The cache is then rewound to the prompt."""
+    import torch
+
+    from tasks.dataset import IGNORE_INDEX
+
+    n, device = last.shape[0], last.device
+    teacher = max((len(a[0]) - 1 for a in answers if a), default=0)
+    first = torch.full((n,), IGNORE_INDEX, dtype=torch.long)
+    inputs = torch.full((n, max(teacher, 1)), pad_id, dtype=torch.long)
+    targets = torch.full((n, max(teacher, 1)), IGNORE_INDEX, dtype=torch.long)
+    fed = torch.zeros((n, max(teacher, 1)), dtype=torch.long)  # which answer columns hold a real token
+    for r, answer in enumerate(answers):
+        if answer:
+            tokens, labels = answer
+            first[r] = labels[0]
+            inputs[r, :len(tokens) - 1] = torch.tensor(tokens[:-1], dtype=torch.long)
+            targets[r, :len(tokens) - 1] = torch.tensor(labels[1:], dtype=torch.long)
+            fed[r, :len(tokens) - 1] = 1
+    ce = torch.nn.functional.cross_entropy
+    first = first.to(device)
+    loss = float(ce(last.float(), first, ignore_index=IGNORE_INDEX, reduction="sum"))
+    count = int((first != IGNORE_INDEX).sum())
+    if teacher > 0:
+        inputs, targets = inputs.to(device), targets.to(device)
+        mask[:, width:width + teacher] = fed.to(device)
+        pos = positions[:, -1:] + 1 + torch.arange(teacher, device=device)
+        logits = logits_at(inputs, pos, mask, keep=0)
+        for rows in torch.split(torch.arange(n, device=device), 64):  # fp32 copies of a few rows at a time
+            chunk = logits[rows].float()
+            loss += float(ce(chunk.reshape(-1, chunk.shape[-1]), targets[rows].reshape(-1),
+                             ignore_index=IGNORE_INDEX, reduction="sum"))
+        count += int((targets != IGNORE_INDEX).sum())
+        del logits
+        mask[:, width:] = 0
+        for layer in cache.layers:  # decoding continues from the prompt, overwriting the answer's keys
+            layer.cumulative_length.fill_(width)
+    return loss, count
+
+
+def _prefill_in_chunks(logits_at, cache, ids, positions, mask, rows_per_chunk: int):
     """Read the prompts a few rows at a time, each chunk attending to its own prompts only, and copy their keys
     and values into the static cache: the attention does not span the cache's empty decode columns, and on a CPU
-    a chunk's activations stay in the processor caches (big batches pay off in decoding, not here)."""
+    a chunk's activations stay in the processor caches (big batches pay off in decoding, not here). Returns the
+    logits of every row's last position."""
     import torch
     from transformers import DynamicCache
 
-    tokens = []
+    last = []
     for start in range(0, ids.shape[0], rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
         chunk_cache = DynamicCache(config=None)
-        tokens.append(step(ids[rows], positions[rows], mask[rows], chunk_cache))
+        last.append(logits_at(ids[rows], positions[rows], mask[rows], chunk_cache)[:, -1])
         for static_layer, layer in zip(cache.layers, chunk_cache.layers):
             if not static_layer.is_initialized:  # allocate for the whole batch, shaped like the chunk's keys
-                shape = (ids.shape[0], *layer.keys.shape[1:2], 1, layer.keys.shape[-1])
-                static_layer.lazy_initialization(layer.keys.new_empty(shape), layer.values.new_empty(
-                    (ids.shape[0], *layer.values.shape[1:2], 1, layer.values.shape[-1])))
+                static_layer.lazy_initialization(
+                    layer.keys.new_empty((ids.shape[0], layer.keys.shape[1], 1, layer.keys.shape[-1])),
+                    layer.values.new_empty((ids.shape[0], layer.values.shape[1], 1, layer.values.shape[-1])))
             width = layer.keys.shape[-2]
             static_layer.keys[rows, :, :width] = layer.keys
             static_layer.values[rows, :, :width] = layer.values
     for static_layer in cache.layers:
         static_layer.cumulative_length.fill_(ids.shape[1])
-    return torch.cat(tokens)
+    return torch.cat(last)
 
 
 def _decode(step, cache, token, pos, mask, width: int, max_new_tokens: int, stop, cuda_graphs: bool,
@@ -260,8 +325,13 @@ def _decode(step, cache, token, pos, mask, width: int, max_new_tokens: int, stop
 
 
 def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
-                    batch_tokens: int, cuda_graphs: bool | None = None) -> Generation:
-    """Greedy answers of every prompt by length-sorted static batches (see the module doc)."""
+                    batch_tokens: int, cuda_graphs: bool | None = None,
+                    answers: list[tuple[list[int], list[int]] | None] | None = None) -> Generation:
+    """Greedy answers of every prompt by length-sorted static batches (see the module doc).
+
+    `answers` may give, per prompt, a reference continuation (token ids and their labels, -100 where not
+    scored): its cross-entropy is then computed from the prompt's cached keys and values (`details["loss"]` =
+    [summed loss, scored tokens]), so an evaluation's loss pass need not read those prompts again."""
     import torch
 
     device = model.device
@@ -278,14 +348,16 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     outputs: list[list[int] | None] = [None] * len(prompt_ids)
     failures: list[str] = []
     notes: list[str] = []
+    loss, count = 0.0, 0
     first = None
     started = time.perf_counter()
     pending = list(batches)
     while pending:
         batch = pending.pop(0)
         try:
-            rows = _static_batch(model, [prompt_ids[i] for i in batch], max_new_tokens, stops, pad_id, cuda_graphs,
-                                 decode_attn, prefill_tokens, notes)
+            rows, batch_loss, batch_count = _static_batch(
+                model, [prompt_ids[i] for i in batch], [answers[i] for i in batch] if answers else None,
+                max_new_tokens, stops, pad_id, cuda_graphs, decode_attn, prefill_tokens, notes)
         except torch.OutOfMemoryError as exc:  # halve the batch; a single prompt that does not fit fails visibly
             torch.cuda.empty_cache() if device.type == "cuda" else None
             if len(batch) > 1:
@@ -295,12 +367,14 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
             continue
         for i, row in zip(batch, rows):
             outputs[i] = _until_stop(row, stop_set)
+        loss, count = loss + batch_loss, count + batch_count
         first = first or time.perf_counter() - started
     _sync(device)
     return Generation([o if o is not None else [] for o in outputs], time.perf_counter() - started, first or 0.0,
                       failures, details={"batches": len(batches), "batch_tokens": batch_tokens,
                                          "cuda_graphs": cuda_graphs, "prefill_attention": prefill_attn,
-                                         "decode_attention": decode_attn, "notes": sorted(set(notes))})
+                                         "decode_attention": decode_attn, "notes": sorted(set(notes)),
+                                         "loss": [loss, count]})
 
 
 # ---------------------------------------------------------------- continuous: transformers' continuous batching
