@@ -153,9 +153,17 @@ def _load_copy(cfg: FinetuneConfig, base: QuantizedModel, adapter_path: Path, pl
     from transformers import AutoModelForCausalLM
 
     copy = dequantized_copy(base, cfg.cache_root, str(device))
-    model = AutoModelForCausalLM.from_pretrained(copy, dtype=torch_dtype(plan.eval_dtype or plan.compute_dtype),
-                                                 attn_implementation=plan.eval_attn, **placement(copy, device))
-    return PeftModel.from_pretrained(model, adapter_path).eval()
+    dtype = torch_dtype(plan.eval_dtype or plan.compute_dtype)
+    model = AutoModelForCausalLM.from_pretrained(copy, dtype=dtype, attn_implementation=plan.eval_attn,
+                                                 **placement(copy, device))
+    model = PeftModel.from_pretrained(model, adapter_path).eval()
+    if device.type == "cpu" and dtype != torch_dtype(plan.compute_dtype):
+        # PEFT keeps adapter weights in fp32; in a bf16 CPU evaluation every adapted layer would then cast its
+        # input to fp32 and back, which costs as much as the layer itself.
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.data = param.data.to(dtype)
+    return model
 
 
 def _evaluate(job: dict) -> dict:
