@@ -31,6 +31,7 @@ ENGINES = ("auto", "static", "continuous", "generate")
 CONTINUOUS_ATTENTION = ("sdpa", "eager", "paged|eager")  # plus every flash-attention flavour
 NON_FLASH_BATCH_TOKENS, NON_FLASH_REQUESTS = 4096, 64  # continuous batching without flash attention
 PREFILL_TOKENS = {False: 8192, True: 65536}  # prompt tokens per prefill chunk (CPU, CUDA)
+ANSWER_LOGITS_BYTES = 2**30  # fp32 logits of the scored answers held at once
 
 
 class EngineUnavailable(UserInputError):
@@ -216,9 +217,11 @@ def _static_batch(model, rows: list[list[int]], answers: list | None, max_new_to
 
 def _answer_loss(logits_at, cache, last, answers: list, width: int, positions, mask, pad_id: int) -> tuple[float, int]:
     """Cross-entropy of each row's given answer after its prompt, read from the prompt's cached keys and values
-    instead of a second pass over the prompt: the prefill's last logits predict the answer's first token, and one
-    forward pass over the answer (teacher forcing) the rest. The cache is then rewound to the prompt."""
+    instead of a second pass over the prompt: the prefill's last logits predict the answer's first token, and a
+    forward pass over the answer (teacher forcing) the rest, a few rows at a time on a copy-on-write view of the
+    cache (the static cache itself stays as the prompt left it)."""
     import torch
+    from transformers import DynamicCache
 
     from tasks.dataset import IGNORE_INDEX
 
@@ -239,21 +242,19 @@ def _answer_loss(logits_at, cache, last, answers: list, width: int, positions, m
     first = first.to(device)
     loss = float(ce(last.float(), first, ignore_index=IGNORE_INDEX, reduction="sum"))
     count = int((first != IGNORE_INDEX).sum())
-    if teacher > 0:
-        inputs, targets = inputs.to(device), targets.to(device)
-        mask[:, width:width + teacher] = fed.to(device)
-        pos = positions[:, -1:] + 1 + torch.arange(teacher, device=device)
-        logits = logits_at(inputs, pos, mask, keep=0)
-        for rows in torch.split(torch.arange(n, device=device), 64):  # fp32 copies of a few rows at a time
-            chunk = logits[rows].float()
-            loss += float(ce(chunk.reshape(-1, chunk.shape[-1]), targets[rows].reshape(-1),
-                             ignore_index=IGNORE_INDEX, reduction="sum"))
-        count += int((targets != IGNORE_INDEX).sum())
-        del logits
-        mask[:, width:] = 0
-        for layer in cache.layers:  # decoding continues from the prompt, overwriting the answer's keys
-            layer.cumulative_length.fill_(width)
-    return loss, count
+    if teacher == 0:
+        return loss, count
+    inputs, targets, fed = inputs.to(device), targets.to(device), fed.to(device)
+    pos = positions[:, -1:] + 1 + torch.arange(teacher, device=device)
+    rows_per_chunk = max(1, ANSWER_LOGITS_BYTES // (teacher * last.shape[-1] * 4))
+    for rows in torch.split(torch.arange(n, device=device), rows_per_chunk):
+        view = DynamicCache(config=None)  # starts as views of the prompt's keys; the answer's are appended
+        for i, layer in enumerate(cache.layers):
+            view.update(layer.keys[rows, :, :width], layer.values[rows, :, :width], i)
+        logits = logits_at(inputs[rows], pos[rows], torch.cat([mask[rows, :width], fed[rows]], 1), view, keep=0)
+        loss += float(ce(logits.float().reshape(-1, logits.shape[-1]), targets[rows].reshape(-1),
+                         ignore_index=IGNORE_INDEX, reduction="sum"))
+    return loss, count + int((targets != IGNORE_INDEX).sum())
 
 
 def _prefill_in_chunks(logits_at, cache, ids, positions, mask, rows_per_chunk: int):
