@@ -162,7 +162,7 @@ def usable_backends(device, requested: list[str] | None) -> list[str]:
     """Attention backends installed and usable on this GPU (sdpa alone on the CPU), as the pipeline judges them."""
     import torch
 
-    from tasks.backends import candidates, installed
+    from tasks.backends import candidates, installed, usable
     from tasks.environment import STACK, _version
     from tasks.gpus import GpuInfo
 
@@ -171,9 +171,10 @@ def usable_backends(device, requested: list[str] | None) -> list[str]:
     cc = torch.cuda.get_device_capability(device)
     gpu = GpuInfo(index=0, name=torch.cuda.get_device_name(device), memory_total_mib=0, memory_free_mib=0,
                   capability=cc)
-    names = candidates(installed(True, {d: _version(d) for d in STACK}), [gpu], "bf16")
-    return [n for n in names if requested is None or n in requested] + \
-        [n for n in requested or [] if "/" in n]  # Hub kernel ids are tried as given
+    attention = installed(True, {d: _version(d) for d in STACK})
+    if requested is None:
+        return candidates(attention, [gpu], "bf16")
+    return [n for n in requested if "/" in n or usable(n, attention, [gpu], "bf16") is None]  # Hub ids: as given
 
 
 def markdown(report: dict) -> str:
@@ -218,7 +219,8 @@ def main() -> int:
                         "(default: what the eval worker picks)")
     parser.add_argument("--variants", default="generate,static,static-eager,continuous",
                         help="comma list from generate, static, static-eager, continuous, continuous-graphs")
-    parser.add_argument("--backends", default=None, help="comma list of attention backends (default: all usable)")
+    parser.add_argument("--backends", default=None, help="comma list of attention backends (default: those `auto` "
+                        "considers that are usable here; add flex_attention or a Hub kernel id by name)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--work", default=None, help="work directory (default /tmp/finetune-flows-eval-bench-<model>)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))

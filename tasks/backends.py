@@ -33,7 +33,9 @@ REQUIREMENTS = {
     "flash_attention_4": ("flash-attn-4", lambda cc: cc[0] in (9, 10), "Hopper or Blackwell (sm_90/sm_100)"),
     "flex_attention": ("triton", lambda cc: cc >= (7, 0), "compute capability >= 7.0"),
 }
-AUTO_CANDIDATES = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+# flex_attention is never chosen by `auto`: transformers compiles it (max-autotune, static shapes) for every new
+# input shape, and evaluation batches and packed training rows change shape all the time. Set it explicitly.
+AUTO_CANDIDATES = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 TOLERANCE = 2e-2  # max |out - sdpa out| / max |sdpa out| for a backend to count as correct (bf16 kernels)
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tasks.backends import BackendTiming, candidates, measured_timings, probe_key, resolve_attention
+from tasks.backends import BackendTiming, candidates, measured_timings, probe_key, resolve_attention, usable
 from tasks.config import load_config
 from tasks.environment import resolve_plan
 from tasks.errors import EnvironmentMismatch
@@ -29,21 +29,23 @@ def timing(backend, eval_ms, train_ms, gpu_name="NVIDIA H100 (sm_90)", diff=1e-3
 
 def test_only_backends_every_selected_gpu_can_run_are_candidates():
     assert candidates(INSTALLED, [H100], "bf16") == ["sdpa", "flash_attention_2", "flash_attention_3",
-                                                     "flash_attention_4", "flex_attention"]
+                                                     "flash_attention_4"]
     # a mixed selection is as capable as its weakest GPU: no Hopper-only kernels with an A100 in it
-    assert candidates(INSTALLED, [H100, A100], "bf16") == ["sdpa", "flash_attention_2", "flex_attention"]
-    assert candidates(INSTALLED, [T4], "fp16") == ["sdpa", "flex_attention"]
-    assert candidates(INSTALLED, [H100], "fp32") == ["sdpa", "flex_attention"]  # flash kernels need fp16/bf16
+    assert candidates(INSTALLED, [H100, A100], "bf16") == ["sdpa", "flash_attention_2"]
+    assert candidates(INSTALLED, [T4], "fp16") == ["sdpa"]
+    assert candidates(INSTALLED, [H100], "fp32") == ["sdpa"]  # flash kernels need fp16/bf16
     assert candidates(INSTALLED, [], "fp32") == ["sdpa"]
+    assert usable("flex_attention", INSTALLED, [T4], "fp16") is None  # still there when asked for by name
 
 
 def test_auto_picks_the_fastest_correct_backend_for_each_purpose():
     timings = [timing("sdpa", 2.0, 6.0), timing("flash_attention_2", 1.5, 4.0), timing("flash_attention_4", 1.0, 5.0),
-               timing("flash_attention_3", 0.5, 3.0, diff=0.5),  # fastest, but wrong: never chosen
-               timing("flex_attention", None, None, error="RuntimeError: no triton")]
+               timing("flash_attention_3", 0.5, 3.0, diff=0.5)]  # fastest, but wrong: never chosen
     train, evaluation, why, problems = resolve_attention("auto", INSTALLED, [H100], "bf16", False, timings)
     assert (train, evaluation, problems) == ("flash_attention_2", "flash_attention_4", [])
     assert why["eval"].startswith("fastest measured for eval: flash_attention_4 1.00 ms")
+    timings[2] = timing("flash_attention_4", None, None, error="RuntimeError: no kernel for this shape")
+    assert resolve_attention("auto", INSTALLED, [H100], "bf16", False, timings)[1] == "flash_attention_2"
 
 
 def test_a_mixed_host_is_judged_by_the_selected_gpus_not_its_best():
