@@ -56,7 +56,7 @@ def prepare(args, work: Path, device: str):
 
     from tasks.config import load_config
     from tasks.dataset import prepare_dataset
-    from tasks.environment import Plan, _cpu_bf16
+    from tasks.environment import Plan, _cpu_bf16, auto_eval_dtype
     from tasks.gpus import read_inventory, selection_for
     from tasks.models import materialize_tokenizer
     from tasks.quantize import quantize_base_model
@@ -79,7 +79,7 @@ def prepare(args, work: Path, device: str):
     compute = "bfloat16" if gpu else "float32"
     plan = Plan(device=device, gpu_ids=[0] if gpu else [], nproc=1, precision="bf16" if gpu else "fp32",
                 compute_dtype=compute, train_attn="sdpa", eval_attn="sdpa",
-                eval_dtype="bfloat16" if not gpu and _cpu_bf16() else compute)  # as resolve_plan's eval.dtype=auto
+                eval_dtype=auto_eval_dtype(cfg, gpu, _cpu_bf16(), compute))  # as resolve_plan does
     gpus = selection_for("0" if gpu else "cpu", read_inventory())
     with prefect_test_harness(server_startup_timeout=120):  # the steps hold device slots through Prefect
         data = prepare_dataset.fn(cfg, materialize_tokenizer(cfg.model.source, cfg.cache_root))

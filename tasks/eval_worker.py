@@ -121,9 +121,10 @@ def placement(copy: Path, device) -> dict:
 
 
 def auto_batch_tokens(model, device) -> int:
-    """Padded tokens per forward: what fits in half of the model's (first) GPU's free memory, or in a quarter
-    of the available RAM (at most 4 GiB) on the CPU. Few large batches mean few decode steps, and a decode
-    step of a small model costs about the same for 10 sequences as for 500."""
+    """Padded tokens per forward: what fits in half of the model's (first) GPU's free memory (few large batches
+    mean few decode steps, and a GPU decode step of a small model costs about the same for 10 sequences as for
+    500), or on the CPU at most 16,384 (there a batch whose cache stays in the processor caches is faster:
+    measured 1.7x over 65,536 on the test model)."""
     import torch
 
     text = model.config.get_text_config()
@@ -135,7 +136,7 @@ def auto_batch_tokens(model, device) -> int:
     else:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = min(0.25 * available, 4 * 2**30)
-    return int(max(4096, min(2**18 if device.type == "cuda" else 2**16, budget // per_token)))
+    return int(max(4096, min(2**18 if device.type == "cuda" else 2**14, budget // per_token)))
 
 
 def _load_reference(base: QuantizedModel, adapter_path: Path, plan: Plan, device):

@@ -129,6 +129,37 @@ def length_sorted_batches(lengths: list[int], extra: int, batch_tokens: int, max
     return batches
 
 
+CPU_GQA_ATTENTION = "finetune_flows_sdpa_gqa"
+
+
+def _sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+              **kwargs):
+    """sdpa that lets the kernel share each key/value head among its query heads. transformers' sdpa copies the
+    KV heads out (`repeat_kv`) whenever there is a mask, for the sake of CUDA kernels; on the CPU that copy of
+    the whole cache at every decode step costs as much as the attention itself."""
+    import torch
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None or query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    causal = query.shape[2] > 1 and attention_mask is None and (is_causal if is_causal is not None
+                                                                 else getattr(module, "is_causal", True))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling, is_causal=causal,
+        enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_cpu_gqa_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CPU_GQA_ATTENTION, _sdpa_gqa)
+    AttentionMaskInterface.register(CPU_GQA_ATTENTION, sdpa_mask)
+
+
 def last_position(tokens):
     """`logits_to_keep` for the last position. An int slices the hidden states into a non-contiguous view, which
     the CPU's bf16 matmul turns into a batched matmul over a copy of the (vocabulary-sized) lm_head weight per row;
@@ -338,7 +369,11 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     device = model.device
     if cuda_graphs and device.type != "cuda":
         raise EngineUnavailable("CUDA graphs need a CUDA device; this model is on " + str(device))
-    prefill_attn = model.config._attn_implementation
+    configured_attn = prefill_attn = model.config._attn_implementation
+    if device.type == "cpu" and prefill_attn == "sdpa":
+        _register_cpu_gqa_attention()
+        prefill_attn = CPU_GQA_ATTENTION
+        model.set_attn_implementation(prefill_attn)
     # Flash kernels unpad a padded batch using host-side sizes, which a CUDA graph cannot capture: with them the
     # prompt is read by the flash kernel and the decode steps (one token per row) run graphed on sdpa.
     cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -353,23 +388,27 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     first = None
     started = time.perf_counter()
     pending = list(batches)
-    while pending:
-        batch = pending.pop(0)
-        try:
-            rows, batch_loss, batch_count = _static_batch(
-                model, [prompt_ids[i] for i in batch], [answers[i] for i in batch] if answers else None,
-                max_new_tokens, stops, pad_id, cuda_graphs, decode_attn, prefill_tokens, notes)
-        except torch.OutOfMemoryError as exc:  # halve the batch; a single prompt that does not fit fails visibly
-            torch.cuda.empty_cache() if device.type == "cuda" else None
-            if len(batch) > 1:
-                pending[:0] = [batch[: len(batch) // 2], batch[len(batch) // 2:]]
-            else:
-                failures.append(f"prompt {batch[0]}: out of memory ({str(exc)[:160]})")
-            continue
-        for i, row in zip(batch, rows):
-            outputs[i] = _until_stop(row, stop_set)
-        loss, count = loss + batch_loss, count + batch_count
-        first = first or time.perf_counter() - started
+    try:
+        while pending:
+            batch = pending.pop(0)
+            try:
+                rows, batch_loss, batch_count = _static_batch(
+                    model, [prompt_ids[i] for i in batch], [answers[i] for i in batch] if answers else None,
+                    max_new_tokens, stops, pad_id, cuda_graphs, decode_attn, prefill_tokens, notes)
+            except torch.OutOfMemoryError as exc:  # halve the batch; one prompt that does not fit fails visibly
+                torch.cuda.empty_cache() if device.type == "cuda" else None
+                if len(batch) > 1:
+                    pending[:0] = [batch[: len(batch) // 2], batch[len(batch) // 2:]]
+                else:
+                    failures.append(f"prompt {batch[0]}: out of memory ({str(exc)[:160]})")
+                continue
+            for i, row in zip(batch, rows):
+                outputs[i] = _until_stop(row, stop_set)
+            loss, count = loss + batch_loss, count + batch_count
+            first = first or time.perf_counter() - started
+    finally:
+        if prefill_attn != configured_attn:
+            model.set_attn_implementation(configured_attn)
     _sync(device)
     return Generation([o if o is not None else [] for o in outputs], time.perf_counter() - started, first or 0.0,
                       failures, details={"batches": len(batches), "batch_tokens": batch_tokens,

@@ -123,3 +123,20 @@ def test_gpu_proof_compares_two_different_backends_or_says_it_made_no_comparison
     assert proof.other_backend("sdpa", with_fa4)[0] == "flash_attention_4"
     other, why = proof.other_backend("sdpa", only_sdpa)
     assert other is None and "no other attention backend is installed and usable" in why
+
+
+def test_eval_dtype_auto_is_bf16_only_on_bf16_cpus_for_wide_models():
+    from tasks.environment import auto_eval_dtype
+
+    wide, narrow = load_config(None, ["model.source=generated:qwen3-0.6b"]), load_config(None, [])
+    tiny = load_config(None, ["model.source=generated:tiny-llama"])
+    assert auto_eval_dtype(wide, on_gpu=False, cpu_bf16=True, compute="float32") == "bfloat16"
+    assert auto_eval_dtype(tiny, on_gpu=False, cpu_bf16=True, compute="float32") == "float32"
+    assert auto_eval_dtype(wide, on_gpu=False, cpu_bf16=False, compute="float32") == "float32"
+    assert auto_eval_dtype(narrow, on_gpu=True, cpu_bf16=True, compute="bfloat16") == "bfloat16"
+    plan = resolve_plan(load_config(None, ["hardware.gpus=cpu", "model.source=generated:qwen3-0.6b"]),
+                        report([]).model_copy(update={"cpu_bf16": True}), selection_for("cpu", []))
+    assert (plan.compute_dtype, plan.eval_dtype) == ("float32", "bfloat16")
+    with pytest.raises(EnvironmentMismatch, match="eval.dtype=float16 needs a GPU"):
+        resolve_plan(load_config(None, ["hardware.gpus=cpu", "eval.dtype=float16"]), report([]),
+                     selection_for("cpu", []))
