@@ -21,7 +21,7 @@ EXTRAS ?= test,ray,tracking
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-gpu gpu-proof bench-train clean help
+.PHONY: setup run test test-gpu gpu-proof bench-train bench-eval clean help
 
 help:
 	@echo "make run       - set up, then fine-tune the built-in demo (configs/demo.yaml)"
@@ -29,6 +29,7 @@ help:
 	@echo "make test-gpu  - GPU tests (needs NVIDIA GPUs)"
 	@echo "make gpu-proof - GPU tests + real flow runs on this GPU host, report in benchmarks/results/"
 	@echo "make bench-train - training speed, seed recipe vs this project, report in benchmarks/results/"
+	@echo "make bench-eval - evaluation speed, reference engine vs the new ones, report in benchmarks/results/"
 	@echo "make clean     - remove the virtualenv and run outputs"
 	@echo "make server    - Prefect server + UI on http://127.0.0.1:$(PREFECT_PORT) (deployments/README.md)"
 	@echo "make deploy    - work pool, this host's device limits, and the deployments in deployments/prefect.yaml"
@@ -67,6 +68,10 @@ gpu-proof: $(GPU_SETUP)
 bench-train: $(GPU_SETUP)
 	HF_HUB_OFFLINE=1 $(GPU_PY) benchmarks/train_speed.py $(ARGS)
 
+# Evaluation speed: the reference engine vs the new ones on one adapter and prompt set (benchmarks/README.md).
+bench-eval: $(GPU_SETUP)
+	HF_HUB_OFFLINE=1 $(GPU_PY) benchmarks/eval_speed.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache
 
@@ -103,8 +108,3 @@ worker: pool limits
 # The deployment tests drive the Prefect UI in headless Chromium (Debian's package; CI runs as root).
 test-deps:
 	@command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium)
-
-# Evaluation speed: the reference engine vs the new ones (benchmarks/eval_speed.py); report in benchmarks/results/.
-.PHONY: bench-eval
-bench-eval: $(GPU_SETUP)
-	HF_HUB_OFFLINE=1 $(GPU_PY) benchmarks/eval_speed.py $(ARGS)

@@ -1,6 +1,7 @@
 """Evaluation speed, the reference engine against the new ones, on the same adapter and prompts, in one run.
 
     make bench-eval                                   # GPU host: generated:qwen3-0.6b; CPU: a small shape
+    python benchmarks/eval_speed.py --smoke           # a few prompts on the CPU (part of `make test`)
     python benchmarks/eval_speed.py --model generated:qwen3-0.6b --prompts 1000 --new-tokens 32
     python benchmarks/eval_speed.py --variants generate,static,continuous --backends sdpa,flash_attention_4
 
@@ -224,7 +225,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--work", default=None, help="work directory (default /tmp/finetune-flows-eval-bench-<model>)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--smoke", action="store_true", help="a few prompts on the CPU: the machinery end to end "
+                        "(part of `make test`)")
     args = parser.parse_args()
+    if args.smoke:
+        args.prompts, args.new_tokens, args.train_rows, args.train_steps = 40, 8, 64, 4
+        args.history = args.history if args.history is not None else 2
 
     import torch
 
