@@ -21,7 +21,7 @@ EXTRAS ?= test,ray,tracking
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-gpu gpu-proof bench-train clean help
+.PHONY: setup run test test-gpu gpu-proof bench-train bench-eval clean help
 
 help:
 	@echo "make run       - set up, then fine-tune the built-in demo (configs/demo.yaml)"
@@ -29,6 +29,7 @@ help:
 	@echo "make test-gpu  - GPU tests (needs NVIDIA GPUs)"
 	@echo "make gpu-proof - GPU tests + real flow runs on this GPU host, report in benchmarks/results/"
 	@echo "make bench-train - training speed, seed recipe vs this project, report in benchmarks/results/"
+	@echo "make bench-eval - evaluation speed, reference engine vs the new ones, report in benchmarks/results/"
 	@echo "make clean     - remove the virtualenv and run outputs"
 	@echo "make server    - Prefect server + UI on http://127.0.0.1:$(PREFECT_PORT) (deployments/README.md)"
 	@echo "make deploy    - work pool, this host's device limits, and the deployments in deployments/prefect.yaml"
@@ -66,6 +67,10 @@ gpu-proof: $(GPU_SETUP)
 # Training speed: the Transformers guide's QLoRA recipe vs this project's path, side by side (benchmarks/README.md).
 bench-train: $(GPU_SETUP)
 	HF_HUB_OFFLINE=1 $(GPU_PY) benchmarks/train_speed.py $(ARGS)
+
+# Evaluation speed: the reference engine vs the new ones on one adapter and prompt set (benchmarks/README.md).
+bench-eval: $(GPU_SETUP)
+	HF_HUB_OFFLINE=1 $(GPU_PY) benchmarks/eval_speed.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -4,7 +4,8 @@
 
 Writes benchmarks/results/gpu-proof-<N>xGPU-<date>.{json,md}: environment and versions, the GPU test results,
 flow wall times, tokens/s on 1 GPU (and 2 GPUs where there are two), peak memory, the eval table, and the
-evaluation run twice, with the resolved flash-attention backend and with sdpa, compared.
+evaluation run twice on the same adapter, with the backend `auto` resolved to and with another one (sdpa, or when
+auto chose sdpa the first other usable backend), compared; with no other usable backend it says so.
 """
 
 from __future__ import annotations
@@ -49,11 +50,32 @@ def flow_run(name: str, config: str | None, overrides: list[str], cache: Path, r
         "train": {k: getattr(t, k) for k in ("steps", "world_size", "backend", "devices", "rank_steps", "first_loss",
                                              "final_loss", "tokens_per_second", "train_tokens", "train_seconds",
                                              "peak_memory_mb")},
-        "eval": {"attn_implementation": e.attn_implementation, "metric": e.metric, "table": e.table(),
+        "eval": {"attn_implementation": e.attn_implementation, "engine": e.engine, "metric": e.metric,
+                 "table": e.table(),
                  "base_generate_seconds": e.base.generate_seconds,
                  "adapter_generate_seconds": e.adapter.generate_seconds},
         "_report": e,
     }
+
+
+COMPARED_WITH = {"1gpu-other-attn-eval": "1gpu-auto-attn", "demo-model-other-attn-eval": "demo-model-auto-attn"}
+
+
+def other_backend(auto: str | None, env) -> tuple[str | None, str]:
+    """A backend other than auto's choice to compare it with: sdpa, or when auto chose sdpa, the first usable
+    of flash_attention_4/3/2 and flex_attention on GPU 0; None (and why) when there is no other."""
+    from tasks.backends import candidates
+
+    if auto is None:
+        return None, "the run with auto attention did not complete"
+    if auto != "sdpa":
+        return "sdpa", "auto chose another backend than sdpa"
+    usable = [b for b in candidates(env.attention, env.gpus[:1], "bf16") if b != "sdpa"]
+    preferred = [b for b in ("flash_attention_4", "flash_attention_3", "flash_attention_2", "flex_attention")
+                 if b in usable]
+    if not preferred:
+        return None, "auto chose sdpa and no other attention backend is installed and usable on GPU 0"
+    return preferred[0], f"auto chose sdpa; {preferred[0]} is the first other usable backend"
 
 
 def compare(a, b) -> dict:
@@ -92,6 +114,9 @@ def markdown(report: dict) -> str:
                   "|" + "---|" * len(r["eval"]["table"][0])]
         lines += ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in r["eval"]["table"]]
     for c in report["attention_comparisons"]:
+        if "note" in c:
+            lines += ["", f"## Attention comparison ({c['model']})", "", c["note"]]
+            continue
         lines += ["", f"## {c['backends'][0]} vs {c['backends'][1]} ({c['model']})", "",
                   f"- same greedy answers: {c['same_greedy_answers']}",
                   f"- loss relative difference: {c['loss_relative_difference']}",
@@ -145,13 +170,13 @@ def main() -> int:
     plan = [("1gpu-auto-attn", None, [*common, f"hardware.gpus={first}"])]
     if n >= 2:
         plan.append(("2gpu-ddp", None, [*common, "hardware.gpus=0,1"]))
-    plan.append(("1gpu-sdpa-eval", None, [*common, f"hardware.gpus={first}", "hardware.attn_implementation=sdpa"]))
+    plan.append(("1gpu-other-attn-eval", None, [*common, f"hardware.gpus={first}"]))
     if args.demo_model:
         try:
             check_model_source(args.demo_model)
             demo = [f"model.source={args.demo_model}", f"hardware.gpus={first}"]
             plan.append(("demo-model-auto-attn", demo_config, demo))
-            plan.append(("demo-model-sdpa-eval", demo_config, [*demo, "hardware.attn_implementation=sdpa"]))
+            plan.append(("demo-model-other-attn-eval", demo_config, demo))
         except Exception as exc:
             report["demo_model_skipped"] = str(exc)
     if args.runs:
@@ -159,6 +184,15 @@ def main() -> int:
     results = {}
     save(report, out)  # written after every stage, so an interrupted proof still leaves what it measured
     for name, config, overrides in plan:
+        if name in COMPARED_WITH:  # the same adapter evaluated with another backend than auto's choice
+            auto = results.get(COMPARED_WITH[name])
+            other, why = other_backend(auto.attn_implementation if auto else None, env)
+            model = args.model if name.startswith("1gpu") else args.demo_model
+            if other is None:
+                report["attention_comparisons"].append({"model": model, "note": f"no comparison made: {why}"})
+                print(f"flow run {name} skipped: {why}", flush=True)
+                continue
+            overrides = [*overrides, f"hardware.attn_implementation={other}"]
         print(f"flow run {name}: {config or 'defaults'} {overrides}", flush=True)
         try:
             r = flow_run(name, config, overrides, cache, runs)
@@ -169,8 +203,8 @@ def main() -> int:
         results[name] = r.pop("_report")
         report["flow_runs"].append(r)
         save(report, out)
-    for a, b, model in (("1gpu-auto-attn", "1gpu-sdpa-eval", args.model),
-                        ("demo-model-auto-attn", "demo-model-sdpa-eval", args.demo_model)):
+    for b, a in COMPARED_WITH.items():
+        model = args.model if b.startswith("1gpu") else args.demo_model
         if a in results and b in results:
             report["attention_comparisons"].append({"model": model, **compare(results[a], results[b])})
     save(report, out)

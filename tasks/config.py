@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tasks.errors import ConfigError
 
-ATTENTION_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+ATTENTION_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
 GPU_SPEC = re.compile(r"^(auto|auto:[1-9][0-9]*|cpu|none|[0-9]+(,[0-9]+)*)$")
 
 
@@ -152,11 +152,20 @@ class HardwareConfig(Section):
     attn_implementation: str = Field(
         "auto",
         description=(
-            "Attention backend for training and evaluation: `auto` (flash_attention_4 on Hopper/Blackwell when "
-            "installed, else flash_attention_3/2 when installed and supported, else sdpa), one of "
-            + ", ".join(ATTENTION_BACKENDS)
-            + ", or a Hub kernel id `org/repo` (needs the `kernels` package and the Hub)."
+            "Attention backend for training and evaluation: `auto` (measured: of sdpa and flash_attention_2/3/4, the "
+            "fastest that is installed and correct on the selected GPUs, chosen separately for training and "
+            "evaluation by a short cached probe against sdpa; sdpa on the CPU), one of " + ", ".join(ATTENTION_BACKENDS)
+            + ", or a Hub kernel repo `org/repo` (needs the `kernels` package, and the Hub or a local copy "
+            "under LOCAL_KERNELS)."
         ),
+    )
+
+    kernels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Hub kernels for layers, e.g. {RMSNorm: 'kernels-community/liger_kernels:LigerRMSNorm', SiLU: "
+        "'/opt/kernels/activation:Silu'}: a layer name transformers registers for kernels mapped to `org/repo:Layer` "
+        "(looked up in LOCAL_KERNELS=org/repo=/path:... first, then the Hub) or `/local/repo:Layer`. A kernel that "
+        "fails to load is a warning and that layer keeps its stock implementation; reports list what was replaced.",
     )
 
     cpu_processes: int = Field(
@@ -205,6 +214,15 @@ class HardwareConfig(Section):
             raise ValueError(f"GPU ids repeat in `{v}`")
         return v
 
+    @field_validator("kernels")
+    @classmethod
+    def _kernels(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [f"{k}: {r}" for k, r in v.items() if r.count(":") < 1 or not r.rpartition(":")[0]
+               or not r.rpartition(":")[2]]
+        if bad:
+            raise ValueError("expected `org/repo:LayerClass` or `/path/to/repo:LayerClass` for " + ", ".join(bad))
+        return v
+
     @field_validator("attn_implementation")
     @classmethod
     def _attn(cls, v: str) -> str:
@@ -216,7 +234,24 @@ class HardwareConfig(Section):
 class EvalConfig(Section):
     max_samples: int = Field(100, ge=1, description="Held-out examples used for generation metrics.")
     max_new_tokens: int = Field(16, ge=1, description="Greedy generation length cap.")
-    batch_size: int = Field(16, ge=1, description="Examples per forward/generation batch.")
+    engine: Literal["auto", "static", "continuous", "generate"] = Field(
+        "auto", description="Generation engine. `static`: every prompt at once in length-sorted batches on the "
+        "dequantized evaluation copy, static KV cache, CUDA-graphed decode steps on GPUs; `continuous`: "
+        "transformers' continuous batching (generate_batch) on that copy, best with flash attention; `generate`: "
+        "the reference, model.generate() on the 4-bit model in batches of `batch_size`; `auto`: static (the "
+        "fastest measured; `make bench-eval` compares them)."
+    )
+    batch_tokens: int | None = Field(
+        None, ge=64, description="Padded tokens per forward pass for the static/continuous engines and the loss "
+        "pass (rows x (longest prompt + max_new_tokens)); None: sized from free memory (GPU, or RAM on the CPU)."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Compute dtype of the static/continuous engines (the evaluation copy is cast to it "
+        "when loaded): `auto` is the compute dtype, except on a CPU with native bf16 matrix instructions "
+        "(AVX512-BF16 or AMX) for models at least 256 wide, where it is bfloat16 (2.3x faster there; "
+        "bitsandbytes' 4-bit CPU kernel computes in bf16 too)."
+    )
+    batch_size: int = Field(16, ge=1, description="Examples per forward/generation batch of the `generate` engine.")
     metric: Literal["exact_match", "contains"] = Field(
         "exact_match", description="`exact_match`: stripped output equals the reference; `contains`: it includes it."
     )

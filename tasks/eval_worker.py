@@ -1,25 +1,36 @@
-"""Evaluation worker body: `python -m tasks.eval_worker job.json` on the first selected GPU (or the CPU).
+"""Evaluation worker body: `python -m tasks.eval_worker job.json` on the selected GPUs (or the CPU).
 
 Scores base and base + adapter (one model, the adapter switched off and on): loss/perplexity on the answer
-tokens and a generation metric from greedy decoding. The orchestrator side is `tasks/evaluate.py`.
+tokens and a generation metric from greedy decoding. With the `static`/`continuous` engines the model is the
+dequantized evaluation copy of the 4-bit base (tasks/dequantize.py), placed on one GPU or, when it does not fit
+one, spread over the selected GPUs; with `generate` it is the 4-bit model, as before. The orchestrator side is
+`tasks/evaluate.py`; the engines are in `tasks/generation.py`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
+import os
 from pathlib import Path
 
 from tasks.config import FinetuneConfig
 from tasks.dataset import IGNORE_INDEX, load_split
+from tasks.dequantize import dequantized_copy
 from tasks.environment import Plan
+from tasks.generation import (
+    Generation, choose_engine, generate_continuous, generate_reference, generate_static, kv_bytes_per_token,
+    length_sorted_batches, stop_token_ids,
+)
+from tasks.kernels import apply_kernels
 from tasks.launcher import worker_main
 from tasks.metrics import score_answer
-from tasks.quantize import torch_dtype
+from tasks.quantize import QuantizedModel, torch_dtype
 from tasks.train_worker import PadCollator
 
-def _loss(model, dataset, batch_size: int, pad_id: int, device) -> float:
+
+def padded_loss(model, dataset, batch_size: int, pad_id: int, device) -> float:
+    """The reference loss pass (engine `generate`): right-padded batches in order, logits at every position."""
     import torch
 
     total, count = 0.0, 0
@@ -36,46 +47,169 @@ def _loss(model, dataset, batch_size: int, pad_id: int, device) -> float:
     return total / max(count, 1)
 
 
-def _generate(model, tokenizer, prompts: list[str], cfg: FinetuneConfig, device) -> tuple[list[str], float]:
+def answer_loss(model, dataset, batch_tokens: int, pad_id: int, device) -> tuple[float, int]:
+    """Summed cross-entropy over the answer tokens and their count, computing only what it needs.
+
+    Rows are sorted by length into batches of about `batch_tokens` padded tokens and left-padded, so every row
+    ends in the same column and the answers sit in the last columns; the model is asked for logits of those
+    columns only (`logits_to_keep`) instead of a vocabulary-sized row for every prompt token. (Packing rows into
+    one sequence would avoid padding altogether, but with sdpa/eager every packed row then attends over the
+    whole pack; sorting leaves little padding without that cost.)
+    """
     import torch
 
-    outputs = []
-    started = time.perf_counter()
-    tokenizer.padding_side = "left"  # generation continues from the right edge
-    for start in range(0, len(prompts), cfg.eval.batch_size):
-        batch = tokenizer(prompts[start:start + cfg.eval.batch_size], return_tensors="pt", padding=True,
-                          add_special_tokens=False).to(device)
+    total, count = 0.0, 0
+    for batch in length_sorted_batches([len(r["input_ids"]) for r in dataset], 0, batch_tokens):
+        rows = [dataset[i] for i in batch]
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, row in enumerate(rows):
+            n = len(row["input_ids"])
+            ids[r, width - n:], labels[r, width - n:], mask[r, width - n:] = (
+                torch.tensor(row["input_ids"]), torch.tensor(row["labels"]), 1)
+        targets = labels[:, 1:]
+        scored = (targets != IGNORE_INDEX).any(0).nonzero()
+        if not len(scored):
+            continue
+        keep = width - int(scored[0])  # logits of positions first..width-1 predict targets first+1..width
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        columns = torch.arange(width - keep, width, device=device)  # an index, not a slice: see last_position
         with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=cfg.eval.max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        outputs += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                           logits_to_keep=columns, use_cache=False).logits[:, :-1].float()
+        wanted = targets[:, width - keep:].to(logits.device)
+        total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), wanted.reshape(-1),
+                                                         ignore_index=IGNORE_INDEX, reduction="sum"))
+        count += int((wanted != IGNORE_INDEX).sum())
+    return total, count
+
+
+def shared_answers(dataset, prompt_ids: list[list[int]]) -> tuple[list, list]:
+    """Per prompt, the eval row that is exactly that prompt followed by its scored answer, as (answer ids,
+    labels), so the static engine scores the answer from the prompt's cache while generating; and the rows left
+    for the separate loss pass (multi-turn rows, rows beyond eval.max_samples, prompts tokenized differently)."""
+    slots: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompt_ids):
+        slots.setdefault(tuple(p), []).append(i)
+    answers: list = [None] * len(prompt_ids)
+    rest = []
+    for row in dataset:
+        labels = row["labels"]
+        first = next((j for j, label in enumerate(labels) if label != IGNORE_INDEX), 0)
+        matches = slots.get(tuple(row["input_ids"][:first])) if first else None
+        if matches:
+            answers[matches.pop(0)] = (row["input_ids"][first:], labels[first:])
+        else:
+            rest.append(row)
+    return answers, rest
+
+
+def placement(copy: Path, device) -> dict:
+    """device_map for the evaluation copy: one device when it fits in half of GPU 0's free memory (the rest is
+    for the KV cache and activations), else every visible (selected) GPU with a per-GPU memory limit."""
+    import torch
+
+    if device.type != "cuda" or torch.cuda.device_count() == 1:
+        return {"device_map": {"": str(device)}}
+    size = sum(p.stat().st_size for p in copy.glob("*.safetensors"))
+    free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+    if size <= 0.5 * free[0]:
+        return {"device_map": {"": str(device)}}
+    return {"device_map": "auto", "max_memory": {i: int(f * 0.8) for i, f in enumerate(free)}}
+
+
+def auto_batch_tokens(model, device) -> int:
+    """Padded tokens per forward: what fits in half of the model's (first) GPU's free memory (few large batches
+    mean few decode steps, and a GPU decode step of a small model costs about the same for 10 sequences as for
+    500), or on the CPU at most 16,384 (there a batch whose cache stays in the processor caches is faster:
+    measured 1.7x over 65,536 on the test model)."""
+    import torch
+
+    text = model.config.get_text_config()
+    dtype_bytes = torch.finfo(model.dtype).bits // 8
+    per_token = kv_bytes_per_token(model.config, dtype_bytes) + \
+        (6 * text.hidden_size + 3 * getattr(text, "intermediate_size", 4 * text.hidden_size)) * dtype_bytes
     if device.type == "cuda":
-        torch.cuda.synchronize()
-    return outputs, time.perf_counter() - started
+        budget = 0.5 * torch.cuda.mem_get_info(device)[0]
+    else:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(0.25 * available, 4 * 2**30)
+    return int(max(4096, min(2**18 if device.type == "cuda" else 2**14, budget // per_token)))
+
+
+def _load_reference(base: QuantizedModel, adapter_path: Path, plan: Plan, device):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base.path, device_map={"": str(device)},
+                                                 dtype=torch_dtype(plan.compute_dtype),
+                                                 attn_implementation=plan.eval_attn)
+    return PeftModel.from_pretrained(model, adapter_path).eval()
+
+
+def _load_copy(cfg: FinetuneConfig, base: QuantizedModel, adapter_path: Path, plan: Plan, device):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    copy = dequantized_copy(base, cfg.cache_root, str(device))
+    dtype = torch_dtype(plan.eval_dtype or plan.compute_dtype)
+    model = AutoModelForCausalLM.from_pretrained(copy, dtype=dtype, attn_implementation=plan.eval_attn,
+                                                 **placement(copy, device))
+    model = PeftModel.from_pretrained(model, adapter_path).eval()
+    if device.type == "cpu" and dtype != torch_dtype(plan.compute_dtype):
+        # PEFT keeps adapter weights in fp32; in a bf16 CPU evaluation every adapted layer would then cast its
+        # input to fp32 and back, which costs as much as the layer itself.
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.data = param.data.to(dtype)
+    return model
 
 
 def _evaluate(job: dict) -> dict:
     import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     cfg = FinetuneConfig.model_validate(job["config"])
     plan = Plan.model_validate(job["plan"])
+    base = QuantizedModel.model_validate(job["base_model"])
     data_path, adapter_path = Path(job["data"]), Path(job["adapter"])
     device = torch.device("cuda:0" if plan.device == "cuda" and torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(adapter_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    base = AutoModelForCausalLM.from_pretrained(job["base"], device_map={"": str(device)},
-                                                dtype=torch_dtype(plan.compute_dtype),
-                                                attn_implementation=plan.eval_attn)
-    model = PeftModel.from_pretrained(base, adapter_path).eval()
-    print(f"evaluating on {device} with attn_implementation={model.config._attn_implementation}", flush=True)
+    engine = choose_engine(cfg.eval.engine, plan.eval_attn)  # refuses before anything loads
+    devices = {str(device)}
+    if engine == "generate":
+        model = _load_reference(base, adapter_path, plan, device)
+    else:
+        model = _load_copy(cfg, base, adapter_path, plan, device)
+        devices = {str(d) for d in (getattr(model.get_base_model(), "hf_device_map", None) or {"": device}).values()}
+        engine = choose_engine(cfg.eval.engine, plan.eval_attn, len(devices))
+    kernels = apply_kernels(model, cfg.hardware.kernels)
+    batch_tokens = cfg.eval.batch_tokens or auto_batch_tokens(model, device)
+    print(f"evaluating on {device} with attn_implementation={model.config._attn_implementation}, engine {engine}"
+          + ("" if engine == "generate" else f" in {model.dtype}, {batch_tokens} tokens per batch"), flush=True)
 
     dataset = load_split(data_path, "eval")
-    prompts_file = data_path / "eval_prompts.jsonl"
-    pairs = [json.loads(line) for line in prompts_file.read_text().splitlines()][: cfg.eval.max_samples]
+    pairs = [json.loads(line) for line in (data_path / "eval_prompts.jsonl").read_text().splitlines()]
+    pairs = pairs[: cfg.eval.max_samples]
     prompts, references = [p["prompt"] for p in pairs], [p["reference"] for p in pairs]
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    stops = stop_token_ids(model, tokenizer)
+
+    shared, rest = shared_answers(dataset, prompt_ids) if engine == "static" else ([None] * len(prompts), dataset)
+
+    def generate() -> Generation:
+        if engine == "generate":
+            return generate_reference(model, tokenizer, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+        if engine == "continuous":
+            memory = int(0.6 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 2**30
+            return generate_continuous(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id,
+                                       batch_tokens, memory)
+        return generate_static(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id,
+                               batch_tokens, cuda_graphs=None if len(devices) == 1 else False, answers=shared)
 
     scores, answers = {}, {}
     for name in ("base", "adapter"):
@@ -83,18 +217,32 @@ def _evaluate(job: dict) -> dict:
             model.base_model.disable_adapter_layers()
         else:
             model.base_model.enable_adapter_layers()
-        loss = _loss(model, dataset, cfg.eval.batch_size, tokenizer.pad_token_id, device)
-        generated, seconds = _generate(model, tokenizer, prompts, cfg, device) if prompts else ([], 0.0)
+        gen = generate() if prompts else Generation([], 0.0, 0.0)
+        if gen.failures:
+            raise RuntimeError(f"{engine} engine: {len(gen.failures)} of {len(prompts)} prompts failed: "
+                               + "; ".join(gen.failures[:5]))
+        if engine == "generate":
+            loss = padded_loss(model, dataset, cfg.eval.batch_size, tokenizer.pad_token_id, device)
+        else:  # the rows the static engine scored while generating, plus a loss pass over the others
+            total, count = answer_loss(model, rest, batch_tokens, tokenizer.pad_token_id, device)
+            shared_loss, shared_count = gen.details.get("loss", (0.0, 0))
+            loss = (total + shared_loss) / max(count + shared_count, 1)
+        generated = tokenizer.batch_decode(gen.tokens, skip_special_tokens=True)
         hits = [score_answer(g, r, cfg.eval.metric) for g, r in zip(generated, references)]
         answers[name] = generated
+        new_tokens = sum(map(len, gen.tokens))
         scores[name] = dict(loss=loss, perplexity=math.exp(min(loss, 50)),
                             generation_score=(sum(hits) / len(hits)) if hits else None, generated=len(generated),
-                            generate_seconds=round(seconds, 2))
-        print(f"{name}: loss {loss:.4f}, {cfg.eval.metric} {scores[name]['generation_score']}", flush=True)
+                            generate_seconds=round(gen.seconds, 3),
+                            first_result_seconds=round(gen.first_result_seconds, 3), generated_tokens=new_tokens)
+        print(f"{name}: loss {loss:.4f}, {cfg.eval.metric} {scores[name]['generation_score']}, {len(generated)} "
+              f"answers in {gen.seconds:.2f} s ({new_tokens / max(gen.seconds, 1e-9):.0f} tokens/s)", flush=True)
     samples = [dict(prompt=p[-200:], reference=r, base=b, adapter=a)
                for p, r, b, a in list(zip(prompts, references, answers["base"], answers["adapter"]))[:5]]
     out = Path(job["out"])
-    report = dict(base=scores["base"], adapter=scores["adapter"], metric=cfg.eval.metric,
+    report = dict(base=scores["base"], adapter=scores["adapter"], metric=cfg.eval.metric, engine=engine,
+                  dtype=str(model.dtype).removeprefix("torch."),
+                  kernelized=kernels["kernelized"],
                   attn_implementation=model.config._attn_implementation, device=str(device),
                   eval_rows=len(dataset), samples=samples, path=str(out), references=references, predictions=answers)
     out.parent.mkdir(parents=True, exist_ok=True)

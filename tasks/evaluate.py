@@ -29,12 +29,17 @@ class ModelScores(BaseModel):
     generation_score: float | None  # exact match (or `contains`) rate on generated answers; None for text data
     generated: int
     generate_seconds: float
+    first_result_seconds: float | None = None  # until the first answer was complete
+    generated_tokens: int | None = None  # new tokens, stop tokens excluded
 
 
 class EvalReport(BaseModel):
     base: ModelScores
     adapter: ModelScores
     metric: str
+    engine: str = "generate"  # the generation engine that produced the answers (tasks/generation.py)
+    kernelized: dict[str, int] = {}  # Hub kernel layer name -> modules replaced (hardware.kernels)
+    dtype: str = ""  # compute dtype the answers and losses were computed in
     attn_implementation: str
     device: str
     eval_rows: int
@@ -58,7 +63,8 @@ class EvalReport(BaseModel):
 def eval_fingerprint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter_path: Path,
                      plan: Plan) -> str:
     return combine(data.fingerprint, base.fingerprint, hash_tree(adapter_path), cfg.eval.fingerprint(),
-                   plan.eval_attn, plan.device, code_version("evaluate", "eval_worker", "metrics"))
+                   plan.eval_attn, plan.eval_dtype, plan.device,
+                   code_version("evaluate", "eval_worker", "metrics", "generation", "dequantize"))
 
 
 
@@ -87,7 +93,8 @@ def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: Quantized
 
     def launch() -> None:
         job = write_job(out.parent, "evaluate", config=cfg.model_dump(mode="json"), plan=plan.model_dump(),
-                        base=str(base.path), data=str(data.path), adapter=str(adapter_path), out=str(out))
+                        base=str(base.path), base_model=base.model_dump(mode="json"), data=str(data.path),
+                        adapter=str(adapter_path), out=str(out))
         run_worker("evaluate", python_module("tasks.eval_worker", job), gpus.env, out.parent)
 
     produce_on_devices(out, gpus.ids, launch)

@@ -1,0 +1,368 @@
+"""Evaluation speed, the reference engine against the new ones, on the same adapter and prompts, in one run.
+
+    make bench-eval                                   # GPU host: generated:qwen3-0.6b; CPU: a small shape
+    python benchmarks/eval_speed.py --smoke           # a few prompts on the CPU (part of `make test`)
+    python benchmarks/eval_speed.py --model generated:qwen3-0.6b --prompts 1000 --new-tokens 32
+    python benchmarks/eval_speed.py --variants generate,static,continuous --backends sdpa,flash_attention_4
+
+1. Data: ticket-triage prompts behind 0..`--history` earlier messages, so prompt lengths vary widely.
+2. The pipeline's own steps (dataset, 4-bit base, a short QLoRA run of `--train-steps` on short rows), under a
+   temporary Prefect server, so the adapter really changes the answers; all cached in `--work` for reruns.
+3. Every variant answers every prompt greedily (`--new-tokens`), base then base + adapter, after an untimed
+   warm-up on a few prompts: `generate` is the reference engine (model.generate on the 4-bit model in batches
+   of `--baseline-batch`); `static`/`continuous` are the new engines on the dequantized evaluation copy,
+   with each attention backend that is installed and usable on this GPU.
+4. benchmarks/results/eval-bench-<N>xGPU-<time>/report.{md,json}: per variant generation seconds, generated
+   tokens/s, time to first result, peak memory (GPU: max reserved; CPU: peak RSS), exact match, and greedy
+   agreement with the reference. `seconds`/`speedup` are for what `eval.engine: auto` with
+   `hardware.attn_implementation: auto` runs here (the attention probe of tasks/backends.py decides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def write_data(path: Path, rows: int, history: int, seed: int) -> None:
+    """Ticket-triage rows whose prompt carries 0..history earlier customer messages (varied lengths)."""
+    from tasks.demo_data import SYSTEM, make_example
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            ex = make_example(rng)
+            earlier = [make_example(rng)["prompt"].removeprefix("Ticket: ") for _ in range(rng.randint(0, history))]
+            prompt = ("Earlier messages: " + " ".join(earlier) + "\n" if earlier else "") + ex["prompt"]
+            f.write(json.dumps({"system": SYSTEM, "prompt": prompt, "response": ex["response"]}) + "\n")
+
+
+def prepare(args, work: Path, device: str):
+    """Dataset, 4-bit base and adapter, by the pipeline's own steps (reused when already there)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from tasks.config import load_config
+    from tasks.dataset import prepare_dataset
+    from tasks.environment import Plan, _cpu_bf16, auto_eval_dtype
+    from tasks.gpus import read_inventory, selection_for
+    from tasks.models import materialize_tokenizer
+    from tasks.quantize import quantize_base_model
+    from tasks.train import train_adapter
+
+    # Short rows to train on (the adapter learns fast), varied-length prompts to evaluate.
+    train_file, eval_file = work / "train.jsonl", work / "eval.jsonl"
+    if not eval_file.is_file():
+        write_data(train_file, args.train_rows, 0, seed=1)
+        write_data(eval_file, args.prompts, args.history, seed=2)
+    gpu = device == "cuda"
+    cfg = load_config(None, [
+        f"model.source={args.model}", f"data.source={train_file}", f"data.eval_source={eval_file}",
+        "data.max_length=1024", f"run.cache_dir={work / 'cache'}", f"hardware.gpus={'0' if gpu else 'cpu'}",
+        f"train.max_steps={args.train_steps}", f"train.save_steps={args.train_steps}", "train.logging_steps=10",
+        "train.per_device_batch_size=16", f"train.learning_rate={args.learning_rate}", "train.warmup_steps=2",
+        f"eval.max_new_tokens={args.new_tokens}", f"eval.max_samples={args.prompts}",
+        f"eval.batch_size={args.baseline_batch}",
+    ])
+    compute = "bfloat16" if gpu else "float32"
+    plan = Plan(device=device, gpu_ids=[0] if gpu else [], nproc=1, precision="bf16" if gpu else "fp32",
+                compute_dtype=compute, train_attn="sdpa", eval_attn="sdpa",
+                eval_dtype=auto_eval_dtype(cfg, gpu, _cpu_bf16(), compute))  # as resolve_plan does
+    gpus = selection_for("0" if gpu else "cpu", read_inventory())
+    with prefect_test_harness(server_startup_timeout=120):  # the steps hold device slots through Prefect
+        data = prepare_dataset.fn(cfg, materialize_tokenizer(cfg.model.source, cfg.cache_root))
+        base = quantize_base_model.fn(cfg, plan, gpus, work)
+        trained = train_adapter.fn(cfg, data, base, plan, gpus, work)
+    print(f"adapter: loss {trained.first_loss:.4f} -> {trained.final_loss:.4f} in {trained.steps} steps", flush=True)
+    return cfg, plan, data, base, trained.adapter_path
+
+
+class PeakMemory:
+    """GPU: max reserved bytes; CPU: peak resident set size, sampled while the block runs."""
+
+    def __init__(self, device):
+        self.device, self.peak = device, 0
+
+    def __enter__(self):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.running = True
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def _sample(self):
+        page = os.sysconf("SC_PAGE_SIZE")
+        while self.running:
+            with open("/proc/self/statm") as f:
+                self.peak = max(self.peak, int(f.read().split()[1]) * page)
+            time.sleep(0.01)
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_reserved(self.device)
+        else:
+            self.running = False
+            self.thread.join()
+
+    @property
+    def mib(self) -> float:
+        return round(self.peak / 2**20, 1)
+
+
+def run_variant(name, model, generate, tokenizer, references, metric, device) -> dict:
+    """Base then base + adapter, each after an untimed warm-up on 8 prompts."""
+    from tasks.metrics import score_answer
+
+    row = {"variant": name, "attention": model.config._attn_implementation}
+    for side in ("base", "adapter"):
+        (model.base_model.disable_adapter_layers if side == "base" else model.base_model.enable_adapter_layers)()
+        generate(8)
+        with PeakMemory(device) as memory:
+            gen = generate(None)
+        if gen.failures:
+            raise RuntimeError(f"{name}: {len(gen.failures)} prompts failed: {gen.failures[:3]}")
+        answers = tokenizer.batch_decode(gen.tokens, skip_special_tokens=True)
+        tokens = sum(map(len, gen.tokens))
+        row[side] = {"seconds": round(gen.seconds, 3), "first_result_seconds": round(gen.first_result_seconds, 3),
+                     "generated_tokens": tokens, "tokens_per_second": round(tokens / max(gen.seconds, 1e-9), 1),
+                     "peak_memory_mib": memory.mib, "details": gen.details,
+                     "exact_match": round(sum(score_answer(a, r, metric) for a, r in zip(answers, references))
+                                          / len(references), 4), "answers": answers}
+        print(f"  {name} {side}: {gen.seconds:.2f} s, {row[side]['tokens_per_second']} tokens/s, exact match "
+              f"{row[side]['exact_match']}", flush=True)
+    row["seconds"] = round(row["base"]["seconds"] + row["adapter"]["seconds"], 3)
+    return row
+
+
+def agreement(row: dict, reference: dict) -> float:
+    pairs = [(a, b) for side in ("base", "adapter") for a, b in zip(row[side]["answers"], reference[side]["answers"])]
+    return round(sum(a == b for a, b in pairs) / max(len(pairs), 1), 4)
+
+
+def usable_backends(device, requested: list[str] | None) -> list[str]:
+    """Attention backends installed and usable on this GPU (sdpa alone on the CPU), as the pipeline judges them."""
+    import torch
+
+    from tasks.backends import candidates, installed, usable
+    from tasks.environment import STACK, _version
+    from tasks.gpus import GpuInfo
+
+    if device.type != "cuda":
+        return ["sdpa"]
+    cc = torch.cuda.get_device_capability(device)
+    gpu = GpuInfo(index=0, name=torch.cuda.get_device_name(device), memory_total_mib=0, memory_free_mib=0,
+                  capability=cc)
+    attention = installed(True, {d: _version(d) for d in STACK})
+    if requested is None:
+        return candidates(attention, [gpu], "bf16")
+    return [n for n in requested if "/" in n or usable(n, attention, [gpu], "bf16") is None]  # Hub ids: as given
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Evaluation speed: {report['gpu']}", "", f"- date: {report['date']}", f"- host: {report['host']}",
+             f"- command: `{report['command']}`", f"- shape: {report['shape']}", f"- CPU: {report['cpu']}",
+             "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
+             f"- auto chose: engine `{report['auto']['engine']}`, attention `{report['auto']['attention']}` "
+             f"({report['auto']['why']})", "",
+             f"**reference (`generate`) {report['baseline_seconds']} s, auto (`{report['auto']['variant']}`) "
+             f"{report['seconds']} s: speedup {report['speedup']}x, greedy agreement {report['greedy_agreement']}**",
+             "", "| variant | attention | seconds (base + adapter) | tokens/s | first result s | peak MiB | "
+             "exact match base / adapter | agreement with reference | speedup |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r.get('attention', '')} | failed: {r['error'][:120]} | | | | | | |")
+            continue
+        tps = round((r["base"]["generated_tokens"] + r["adapter"]["generated_tokens"]) / max(r["seconds"], 1e-9), 1)
+        lines.append(f"| {r['variant']} | {r['attention']} | {r['seconds']} | {tps} | "
+                     f"{r['base']['first_result_seconds']} / {r['adapter']['first_result_seconds']} | "
+                     f"{max(r['base']['peak_memory_mib'], r['adapter']['peak_memory_mib'])} | "
+                     f"{r['base']['exact_match']} / {r['adapter']['exact_match']} | {r['agreement']} | "
+                     f"{r['speedup']} |")
+    if report.get("attention_probe"):
+        lines += ["", "## Attention probe (what `auto` measured)", "", "| backend | eval ms | train ms | max rel diff "
+                  "| error |", "|---|---|---|---|---|"]
+        lines += [f"| {t['backend']} | {t['eval_ms']} | {t['train_ms']} | {t['max_rel_diff']} | {t['error'] or ''} |"
+                  for t in report["attention_probe"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: generated:qwen3-0.6b on a GPU, tiny-llama on CPU")
+    parser.add_argument("--prompts", type=int, default=1000)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--history", type=int, default=None, help="max earlier messages per prompt (12 GPU, 6 CPU)")
+    parser.add_argument("--train-rows", type=int, default=2000)
+    parser.add_argument("--train-steps", type=int, default=None, help="QLoRA steps (60 GPU, 120 CPU)")
+    parser.add_argument("--learning-rate", type=float, default=None, help="QLoRA learning rate (1e-3 GPU, 5e-3 CPU)")
+    parser.add_argument("--baseline-batch", type=int, default=50, help="reference engine batch size")
+    parser.add_argument("--batch-tokens", type=int, default=None, help="static/continuous tokens per batch "
+                        "(default: what the eval worker picks)")
+    parser.add_argument("--variants", default="generate,static,static-eager,continuous",
+                        help="comma list from generate, static, static-eager, continuous, continuous-graphs")
+    parser.add_argument("--backends", default=None, help="comma list of attention backends (default: those `auto` "
+                        "considers that are usable here; add flex_attention or a Hub kernel id by name)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--work", default=None, help="work directory (default /tmp/finetune-flows-eval-bench-<model>)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--smoke", action="store_true", help="a few prompts on the CPU: the machinery end to end "
+                        "(part of `make test`)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.prompts, args.new_tokens, args.train_rows, args.train_steps = 40, 8, 64, 4
+        args.history = args.history if args.history is not None else 2
+
+    import torch
+
+    from tasks.backends import attention_shape, choose, measure_on_device
+    from tasks.environment import STACK, _version
+    from tasks.eval_worker import _load_copy, _load_reference, auto_batch_tokens
+    from tasks.generation import (
+        choose_engine, continuous_supports, generate_continuous, generate_reference, generate_static,
+        stop_token_ids,
+    )
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda:0" if gpu else "cpu")
+    args.model = args.model or ("generated:qwen3-0.6b" if gpu else "generated:tiny-llama")
+    args.history = args.history if args.history is not None else (12 if gpu else 6)
+    args.train_steps = args.train_steps or (60 if gpu else 120)
+    args.learning_rate = args.learning_rate or (1e-3 if gpu else 5e-3)
+    work = Path(args.work or f"/tmp/finetune-flows-eval-bench-{args.model.split(':')[-1]}")
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    cfg, plan, data, base, adapter = prepare(args, work, device.type)
+    print(f"prepared in {time.perf_counter() - started:.1f} s", flush=True)
+
+    pairs = [json.loads(line) for line in (data.path / "eval_prompts.jsonl").read_text().splitlines()][: args.prompts]
+    prompts, references = [p["prompt"] for p in pairs], [p["reference"] for p in pairs]
+    reference_model = _load_reference(base, adapter, plan, device)
+    copy_model = _load_copy(cfg, base, adapter, plan, device)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    stops, pad = stop_token_ids(copy_model, tokenizer), tokenizer.pad_token_id
+    batch_tokens = args.batch_tokens or auto_batch_tokens(copy_model, device)
+    new, metric = args.new_tokens, cfg.eval.metric
+    memory = lambda: int(0.6 * torch.cuda.mem_get_info(device)[0]) if gpu else 2**30  # noqa: E731
+
+    def static(graphs):
+        return lambda k: generate_static(copy_model, ids[:k] if k else ids, new, stops, pad, batch_tokens, graphs)
+
+    def continuous(graphs):
+        return lambda k: generate_continuous(copy_model, ids[:k] if k else ids, new, stops, pad,
+                                             min(batch_tokens, 16384), memory(), cuda_graphs=graphs)
+
+    engines = {"static": static(None), "static-eager": static(False), "continuous": continuous(None),
+               "continuous-graphs": continuous(True)}
+    wanted = args.variants.split(",")
+    backends = usable_backends(device, args.backends.split(",") if args.backends else None)
+    rows = []
+    baseline = run_variant("generate", reference_model, lambda k: generate_reference(
+        reference_model, tokenizer, prompts[:k] if k else prompts, new, args.baseline_batch), tokenizer, references,
+        metric, device)
+    rows.append(baseline)
+    reference_model = None  # the 4-bit model is done: free its memory for the variants
+    for backend in backends:
+        try:
+            copy_model.set_attn_implementation(backend)
+        except Exception as exc:
+            rows.append({"variant": f"*[{backend}]", "attention": backend, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        for name in wanted:
+            if name == "generate" or (name.endswith(("eager", "graphs")) and not gpu) or \
+                    (name.startswith("continuous") and not continuous_supports(backend)) or \
+                    (backend == "flex_attention" and name != "static"):  # flex compiles per shape: one row
+                continue
+            label = name if backend == "sdpa" else f"{name}[{backend}]"
+            try:
+                rows.append(run_variant(label, copy_model, engines[name], tokenizer, references, metric, device))
+            except Exception as exc:  # one failing variant must not lose the others' measurements
+                rows.append({"variant": label, "attention": backend, "error": f"{type(exc).__name__}: {exc}"[:500]})
+                print(f"  {label} FAILED: {exc}", flush=True)
+    for r in rows:
+        if "error" not in r:
+            r["agreement"] = agreement(r, baseline)
+            r["speedup"] = round(baseline["seconds"] / max(r["seconds"], 1e-9), 2)
+    for r in rows:  # the answers were needed for agreement; the report keeps a few
+        for side in ("base", "adapter"):
+            if side in r:
+                r[side]["samples"] = r[side].pop("answers")[:5]
+
+    probe, why = [], "CPU: sdpa"
+    attention = "sdpa"
+    if gpu and len(backends) > 1:
+        probe = measure_on_device(0, backends, attention_shape(cfg), "bfloat16")
+        attention, why = choose(probe, backends, "eval")
+    engine = choose_engine("auto", attention)
+    auto_name = engine if attention == "sdpa" else f"{engine}[{attention}]"
+    auto_row = next((r for r in rows if r["variant"] == auto_name and "error" not in r), None)
+    measured = [r for r in rows if "error" not in r and r["variant"] != "generate"]
+    fastest = min(measured, key=lambda r: r["seconds"])["variant"] if measured else None
+
+    n_gpu = torch.cuda.device_count() if gpu else 0
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) / f"eval-bench-{n_gpu}xGPU-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(device) if gpu else f"CPU ({platform.processor() or platform.machine()}, " \
+        f"{os.cpu_count()} cores)"
+    report = {
+        "gpu": name, "date": stamp, "host": platform.node(), "command": " ".join(sys.argv),
+        "shape": {"model": args.model, "prompts": len(prompts), "new_tokens": new, "history": args.history,
+                  "prompt_tokens_min_mean_max": [min(map(len, ids)), round(sum(map(len, ids)) / len(ids), 1),
+                                                 max(map(len, ids))],
+                  "train_steps": args.train_steps, "learning_rate": args.learning_rate,
+                  "baseline_batch": args.baseline_batch,
+                  "batch_tokens": batch_tokens, "dtype": plan.compute_dtype,
+                  "eval_dtype": str(copy_model.dtype).removeprefix("torch.")},
+        "cpu": {"torch_threads": torch.get_num_threads(), "cores": os.cpu_count(),
+                "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
+        "versions": {"python": platform.python_version(), **{d: _version(d) for d in STACK},
+                     "cuda": torch.version.cuda},
+        "baseline_seconds": baseline["seconds"],
+        "seconds": auto_row["seconds"] if auto_row else None,
+        "speedup": auto_row["speedup"] if auto_row else None,
+        "greedy_agreement": auto_row["agreement"] if auto_row else None,
+        "exact_match": {"reference": [baseline["base"]["exact_match"], baseline["adapter"]["exact_match"]],
+                        "auto": [auto_row["base"]["exact_match"], auto_row["adapter"]["exact_match"]] if auto_row
+                        else None},
+        "auto": {"engine": engine, "attention": attention, "why": why, "variant": auto_name,
+                 "fastest_variant": fastest},
+        "attention_probe": [t.model_dump() for t in probe],
+        "rows": rows,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(markdown(report))
+    print(markdown(report).split("\n\n| variant")[0].splitlines()[-1])
+    print("\n| variant" + markdown(report).split("\n\n| variant")[1].split("\n\n")[0])
+    print(f"report: {out}  (peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} "
+          "MiB)")
+    return 0 if auto_row else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

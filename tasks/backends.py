@@ -1,0 +1,264 @@
+"""Attention backends: which ones can run on the *selected* GPUs, and which is fastest there, measured.
+
+- `installed()` runs inside the environment probe (a child process): which backends this Python can import.
+- `usable()` adds what the selected GPUs can run: every selected GPU must have the compute capability a
+  backend needs (a mixed host is only as capable as its weakest selected GPU), and flash kernels need fp16/bf16.
+- `measure()` runs in a child process on the selected GPUs: for each usable backend, a short timing probe on a
+  one-layer model with the run's attention shape (heads, KV heads, head dim, dtype), an evaluation-like forward
+  and a training-like forward+backward, checked against sdpa on the same inputs. Results are cached per GPU
+  model and software versions (`<cache>/attention-probes/`), so a host measures once.
+- `resolve_attention()` turns `hardware.attn_implementation` into one backend for training and one for
+  evaluation: `auto` is the fastest correct backend for each purpose (sdpa on the CPU, or when nothing else is
+  usable), an explicit name is checked against the selected GPUs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from tasks.config import ATTENTION_BACKENDS, FinetuneConfig
+from tasks.fingerprint import code_version
+from tasks.gpus import GpuInfo, GpuSelection
+from tasks.launcher import python_module, run_worker, worker_main, write_job
+
+# Backend -> (distribution to install, test on one GPU's capability, what that test demands).
+REQUIREMENTS = {
+    "flash_attention_2": ("flash-attn", lambda cc: cc >= (8, 0), "compute capability >= 8.0"),
+    "flash_attention_3": ("flash-attn-3", lambda cc: cc[0] == 9, "Hopper (sm_90)"),
+    "flash_attention_4": ("flash-attn-4", lambda cc: cc[0] in (9, 10), "Hopper or Blackwell (sm_90/sm_100)"),
+    "flex_attention": ("triton", lambda cc: cc >= (7, 0), "compute capability >= 7.0"),
+}
+# flex_attention is never chosen by `auto`: transformers compiles it (max-autotune, static shapes) for every new
+# input shape, and evaluation batches and packed training rows change shape all the time. Set it explicitly.
+AUTO_CANDIDATES = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+TOLERANCE = 2e-2  # max |out - sdpa out| / max |sdpa out| for a backend to count as correct (bf16 kernels)
+
+
+class BackendTiming(BaseModel):
+    backend: str
+    gpu: str  # "<name> (sm_XY)"
+    eval_ms: float | None = None  # forward of a padded batch (prefill-like)
+    train_ms: float | None = None  # forward + backward
+    max_rel_diff: float | None = None  # against sdpa's output on the same inputs
+    error: str | None = None
+
+    @property
+    def correct(self) -> bool:
+        return self.error is None and self.max_rel_diff is not None and self.max_rel_diff <= TOLERANCE
+
+
+def installed(cuda: bool, versions: dict[str, str | None]) -> dict[str, str]:
+    """Backend -> "available" (importable here) or why not. GPU capability is judged later, per selection."""
+    from transformers.utils import import_utils as iu
+
+    out = {"eager": "available", "sdpa": "available"}
+    checks = {"flash_attention_2": iu.is_flash_attn_2_available, "flash_attention_3": iu.is_flash_attn_3_available,
+              "flash_attention_4": iu.is_flash_attn_4_available,
+              "flex_attention": lambda: iu.is_torch_flex_attn_available() and bool(versions.get("triton"))}
+    for name, check in checks.items():
+        dist = REQUIREMENTS[name][0]
+        if not cuda:
+            out[name] = "needs a CUDA GPU"
+        elif check():
+            out[name] = "available"
+        else:
+            out[name] = f"{dist} not installed" if not versions.get(dist) else f"{dist} {versions[dist]} not usable"
+    out["hub_kernels"] = "available" if iu.is_kernels_available() else (
+        "kernels not installed" if not versions.get("kernels") else f"kernels {versions['kernels']} not accepted "
+        f"by transformers {versions.get('transformers')}"
+    )
+    return out
+
+
+def usable(backend: str, attention: dict[str, str], gpus: list[GpuInfo], precision: str) -> str | None:
+    """None when `backend` can run on every selected GPU at this precision, else the reason (naming the GPU)."""
+    if backend in ("eager", "sdpa"):
+        return None
+    if backend not in REQUIREMENTS:  # a Hub kernel id
+        return None if attention.get("hub_kernels") == "available" else f"needs Hub kernels: {attention['hub_kernels']}"
+    if attention.get(backend) != "available":
+        return attention.get(backend, "unknown backend")
+    if not gpus:
+        return "needs a CUDA GPU"
+    _, test, demand = REQUIREMENTS[backend]
+    for g in gpus:
+        if not test(g.capability):
+            return (f"GPU {g.index} ({g.name}, compute capability {g.capability[0]}.{g.capability[1]}) cannot run "
+                    f"it: needs {demand}")
+    if backend.startswith("flash_attention") and precision == "fp32":
+        return "needs fp16 or bf16, but precision is fp32"
+    return None
+
+
+def candidates(attention: dict[str, str], gpus: list[GpuInfo], precision: str) -> list[str]:
+    return [b for b in AUTO_CANDIDATES if usable(b, attention, gpus, precision) is None]
+
+
+def choose(timings: list[BackendTiming], names: list[str], purpose: str) -> tuple[str, str]:
+    """The backend with the lowest worst-case time over the measured GPU models, and why (sdpa if none won)."""
+    key = "eval_ms" if purpose == "eval" else "train_ms"
+    worst: dict[str, float] = {}
+    for name in names:
+        rows = [t for t in timings if t.backend == name]
+        if rows and all(t.correct and getattr(t, key) is not None for t in rows):
+            worst[name] = max(getattr(t, key) for t in rows)
+    if not worst:
+        return "sdpa", "no backend measured correct and faster; sdpa"
+    best = min(worst, key=worst.get)
+    ranking = ", ".join(f"{n} {worst[n]:.2f} ms" for n in sorted(worst, key=worst.get))
+    return best, f"fastest measured for {purpose}: {ranking}"
+
+
+def resolve_attention(want: str, attention: dict[str, str], gpus: list[GpuInfo], precision: str,
+                      hub_reachable: bool, timings: list[BackendTiming] | None) -> tuple[str, str, dict, list[str]]:
+    """(train backend, eval backend, why, problems) for `hardware.attn_implementation`."""
+    if want == "auto":
+        names = candidates(attention, gpus, precision) if gpus else ["sdpa"]
+        if names == ["sdpa"]:
+            why = "the only usable backend here" if gpus else "CPU"
+            return "sdpa", "sdpa", {"train": why, "eval": why}, []
+        if not timings:
+            why = f"usable {names} not measured; sdpa"
+            return "sdpa", "sdpa", {"train": why, "eval": why}, []
+        train, train_why = choose(timings, names, "train")
+        evaluation, eval_why = choose(timings, names, "eval")
+        return train, evaluation, {"train": train_why, "eval": eval_why}, []
+    problems = []
+    reason = usable(want, attention, gpus, precision)
+    if reason:
+        problems.append(f"hardware.attn_implementation={want} cannot run here: {reason}")
+    if want not in ATTENTION_BACKENDS and want not in REQUIREMENTS and not hub_reachable and reason is None:
+        from tasks.kernels import local_kernel_repo
+
+        if local_kernel_repo(want) is None:
+            problems.append(f"hardware.attn_implementation={want} needs the Hub kernel repo, but the Hub is "
+                            "unreachable and LOCAL_KERNELS has no copy of it")
+    return want, want, {"train": "configured", "eval": "configured"}, problems
+
+
+# ---------------------------------------------------------------- measurement (in a child process on the GPUs)
+
+
+def attention_shape(cfg: FinetuneConfig) -> dict:
+    """Heads, KV heads and head dim of the run's model where its config can be read without loading it."""
+    from tasks.models import ARCHS
+
+    source, shape = cfg.model.source, None
+    if source.startswith("generated:") and source.split(":", 1)[1] in ARCHS:
+        shape = ARCHS[source.split(":", 1)[1]]
+    elif (Path(source).expanduser() / "config.json").is_file():
+        shape = json.loads((Path(source).expanduser() / "config.json").read_text())
+    if not shape:  # a built-in or Hub model not materialized yet: a common small-model shape
+        shape = ARCHS["qwen3-0.6b"]
+    heads = shape["num_attention_heads"]
+    return {"heads": heads, "kv_heads": shape.get("num_key_value_heads") or heads,
+            "head_dim": shape.get("head_dim") or shape["hidden_size"] // heads}
+
+
+def probe_key(gpu_name: str, capability: tuple[int, int], versions: dict, shape: dict, dtype: str) -> str:
+    parts = [gpu_name, list(capability), versions, shape, dtype, code_version("backends")]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def measured_timings(cfg: FinetuneConfig, attention: dict[str, str], versions: dict, selection: GpuSelection,
+                     precision: str, compute_dtype: str, workdir: Path) -> list[BackendTiming] | None:
+    """Timings of every usable backend on each distinct GPU model among the selected ones, from the cache or
+    measured now in a worker; None when there is nothing to choose between (CPU, or sdpa alone)."""
+    names = candidates(attention, selection.gpus, precision)
+    if not selection.gpus or names == ["sdpa"]:
+        return None
+    shape = attention_shape(cfg)
+    kinds = {}  # (name, capability) -> first selected position of that kind (its cuda:N in the worker)
+    for position, g in enumerate(selection.gpus):
+        kinds.setdefault((g.name, tuple(g.capability)), position)
+    cache = cfg.cache_root / "attention-probes"
+    timings, missing = [], {}
+    for (name, cc), position in kinds.items():
+        path = cache / f"{probe_key(name, cc, versions, shape, compute_dtype)}.json"
+        if path.is_file():
+            timings += [BackendTiming.model_validate(t) for t in json.loads(path.read_text())]
+        else:
+            missing[str(path)] = position
+    if missing:
+        job = write_job(workdir, "attention-probe", names=names, shape=shape, dtype=compute_dtype, devices=missing)
+        result = run_worker("attention-probe", python_module("tasks.backends", job), selection.env, workdir)
+        for path, rows in result.items():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(path).with_suffix(".tmp")
+            tmp.write_text(json.dumps(rows, indent=2))
+            tmp.replace(path)  # atomic: a reader sees the whole probe or none
+            timings += [BackendTiming.model_validate(t) for t in rows]
+    return timings
+
+
+def _probe_model(backend: str, shape: dict, dtype, device):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", hidden_size=shape["heads"] * shape["head_dim"], intermediate_size=256,
+                                  num_hidden_layers=1, num_attention_heads=shape["heads"],
+                                  num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"], vocab_size=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=backend).to(device)
+    return model
+
+
+def _time(fn, repeats: int = 5) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / repeats * 1000
+
+
+def measure_on_device(device_index: int, names: list[str], shape: dict, dtype_name: str,
+                      batch: int = 16, length: int = 512) -> list[BackendTiming]:
+    """Time each backend on one GPU (inside a worker): a padded prefill-like forward and a forward+backward."""
+    import torch
+
+    device = torch.device("cuda", device_index)
+    dtype = getattr(torch, dtype_name)
+    gpu = f"{torch.cuda.get_device_name(device)} (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))})"
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (batch, length), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    for r in range(batch):  # varied lengths, as in real batches (left padding, like generation)
+        mask[r, : (r * length) // (2 * batch)] = 0
+    reference = None
+    out = []
+    for name in ["sdpa", *[n for n in names if n != "sdpa"]]:
+        row = BackendTiming(backend=name, gpu=gpu)
+        try:
+            model = _probe_model(name, shape, dtype, device)
+            with torch.no_grad():
+                hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state.float() * mask[..., None]
+            reference = hidden if name == "sdpa" else reference
+            row.max_rel_diff = float((hidden - reference).abs().max() / reference.abs().max().clamp(min=1e-6))
+            with torch.no_grad():
+                row.eval_ms = round(_time(lambda: model.model(input_ids=ids, attention_mask=mask)), 3)
+            model.train()
+            row.train_ms = round(_time(lambda: model.model(input_ids=ids, attention_mask=mask)
+                                       .last_hidden_state.float().pow(2).mean().backward()), 3)
+        except Exception as exc:  # a backend that fails here is simply not chosen; the reason is reported
+            row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        out.append(row)
+        torch.cuda.empty_cache()
+    return out
+
+
+def _probe_job(job: dict) -> dict:
+    return {path: [t.model_dump() for t in measure_on_device(position, job["names"], job["shape"], job["dtype"])]
+            for path, position in job["devices"].items()}
+
+
+if __name__ == "__main__":
+    worker_main(_probe_job)

@@ -1,0 +1,142 @@
+"""Attention backends (tasks/backends.py) on injected GPU inventories: what the *selected* GPUs can run, and
+`auto` as the fastest correct backend measured on them, for training and evaluation separately."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks.backends import BackendTiming, candidates, measured_timings, probe_key, resolve_attention, usable
+from tasks.config import load_config
+from tasks.environment import resolve_plan
+from tasks.errors import EnvironmentMismatch
+from tasks.gpus import selection_for
+from test_gpus import gpu, report
+
+H100 = gpu(0, 80000, name="NVIDIA H100", cc=(9, 0))
+A100 = gpu(1, 80000, name="NVIDIA A100", cc=(8, 0))
+T4 = gpu(2, 15000, name="Tesla T4", cc=(7, 5))
+INSTALLED = {"eager": "available", "sdpa": "available", "flash_attention_2": "available",
+             "flash_attention_3": "available", "flash_attention_4": "available",
+             "flex_attention": "available", "hub_kernels": "kernels not installed"}
+
+
+def timing(backend, eval_ms, train_ms, gpu_name="NVIDIA H100 (sm_90)", diff=1e-3, error=None):
+    return BackendTiming(backend=backend, gpu=gpu_name, eval_ms=eval_ms, train_ms=train_ms, max_rel_diff=diff,
+                         error=error)
+
+
+def test_only_backends_every_selected_gpu_can_run_are_candidates():
+    assert candidates(INSTALLED, [H100], "bf16") == ["sdpa", "flash_attention_2", "flash_attention_3",
+                                                     "flash_attention_4"]
+    # a mixed selection is as capable as its weakest GPU: no Hopper-only kernels with an A100 in it
+    assert candidates(INSTALLED, [H100, A100], "bf16") == ["sdpa", "flash_attention_2"]
+    assert candidates(INSTALLED, [T4], "fp16") == ["sdpa"]
+    assert candidates(INSTALLED, [H100], "fp32") == ["sdpa"]  # flash kernels need fp16/bf16
+    assert candidates(INSTALLED, [], "fp32") == ["sdpa"]
+    assert usable("flex_attention", INSTALLED, [T4], "fp16") is None  # still there when asked for by name
+
+
+def test_auto_picks_the_fastest_correct_backend_for_each_purpose():
+    timings = [timing("sdpa", 2.0, 6.0), timing("flash_attention_2", 1.5, 4.0), timing("flash_attention_4", 1.0, 5.0),
+               timing("flash_attention_3", 0.5, 3.0, diff=0.5)]  # fastest, but wrong: never chosen
+    train, evaluation, why, problems = resolve_attention("auto", INSTALLED, [H100], "bf16", False, timings)
+    assert (train, evaluation, problems) == ("flash_attention_2", "flash_attention_4", [])
+    assert why["eval"].startswith("fastest measured for eval: flash_attention_4 1.00 ms")
+    timings[2] = timing("flash_attention_4", None, None, error="RuntimeError: no kernel for this shape")
+    assert resolve_attention("auto", INSTALLED, [H100], "bf16", False, timings)[1] == "flash_attention_2"
+
+
+def test_a_mixed_host_is_judged_by_the_selected_gpus_not_its_best():
+    host = [H100, A100]
+    timings = [timing("sdpa", 2.0, 6.0, "NVIDIA A100 (sm_80)"), timing("flash_attention_2", 1.0, 3.0,
+                                                                        "NVIDIA A100 (sm_80)")]
+    cfg = load_config(None, ["hardware.gpus=1"])  # only the A100
+    plan = resolve_plan(cfg, report(host, fa4=True, fa2=True), selection_for("1", host), timings)
+    assert plan.eval_attn == "flash_attention_2"  # FA4 is installed and the host has a Hopper, but not selected
+    with pytest.raises(EnvironmentMismatch, match=r"GPU 1 \(NVIDIA A100, compute capability 8.0\) cannot run it"):
+        resolve_plan(load_config(None, ["hardware.gpus=0,1", "hardware.attn_implementation=flash_attention_4"]),
+                     report(host, fa4=True), selection_for("0,1", host))
+    only_h100 = resolve_plan(load_config(None, ["hardware.gpus=0", "hardware.attn_implementation=flash_attention_4"]),
+                             report(host, fa4=True), selection_for("0", host))
+    assert only_h100.eval_attn == "flash_attention_4"
+
+
+def test_with_two_gpu_models_the_worst_case_decides():
+    timings = [timing("sdpa", 2.0, 6.0), timing("flash_attention_2", 1.0, 3.0),
+               timing("sdpa", 3.0, 9.0, "NVIDIA A100 (sm_80)"), timing("flash_attention_2", 4.0, 12.0,
+                                                                      "NVIDIA A100 (sm_80)")]
+    train, evaluation, _, _ = resolve_attention("auto", INSTALLED, [H100, A100], "bf16", False, timings)
+    assert train == evaluation == "sdpa"  # FA2 wins on the H100 but loses on the A100, which every step waits for
+
+
+def test_the_cpu_and_unmeasured_hosts_get_sdpa():
+    assert resolve_attention("auto", INSTALLED, [], "fp32", False, None)[:2] == ("sdpa", "sdpa")
+    _, _, why, _ = resolve_attention("auto", INSTALLED, [H100], "bf16", False, None)
+    assert "not measured" in why["eval"]
+
+
+def test_backends_and_engines_the_machine_cannot_run_are_refused_before_anything_loads():
+    cpu = report([]).model_copy(update={"attention": {**report([]).attention, "flex_attention": "needs a CUDA GPU"}})
+    with pytest.raises(EnvironmentMismatch, match="flex_attention cannot run here: needs a CUDA GPU"):
+        resolve_plan(load_config(None, ["hardware.gpus=cpu", "hardware.attn_implementation=flex_attention"]),
+                     cpu, selection_for("cpu", []))
+    with pytest.raises(EnvironmentMismatch, match="eval.engine=continuous cannot use attention backend flex"):
+        cfg = load_config(None, ["hardware.gpus=0", "hardware.attn_implementation=flex_attention",
+                                 "eval.engine=continuous"])
+        env = report([H100]).model_copy(update={"attention": INSTALLED})
+        resolve_plan(cfg, env, selection_for("0", [H100]))
+    with pytest.raises(EnvironmentMismatch, match="Hub is unreachable and LOCAL_KERNELS has no copy"):
+        cfg = load_config(None, ["hardware.gpus=0", "hardware.attn_implementation=acme/flash-attn"])
+        env = report([H100]).model_copy(update={"attention": {**INSTALLED, "hub_kernels": "available"}})
+        resolve_plan(cfg, env, selection_for("0", [H100]))
+
+
+def test_probe_results_are_cached_per_gpu_model_and_versions(tmp_path):
+    cfg = load_config(None, ["model.source=generated:qwen3-0.6b", f"run.cache_dir={tmp_path}", "hardware.gpus=0"])
+    sel = selection_for("0", [H100])
+    versions = {"torch": "2.11", "flash-attn-4": "4.0.0b36"}
+    shape = {"heads": 16, "kv_heads": 8, "head_dim": 128}
+    cached = tmp_path / "attention-probes" / f"{probe_key('NVIDIA H100', (9, 0), versions, shape, 'bfloat16')}.json"
+    cached.parent.mkdir(parents=True)
+    cached.write_text(json.dumps([timing("sdpa", 2.0, 6.0).model_dump(), timing("flash_attention_4", 1.0, 5.0)
+                                  .model_dump()]))
+    got = measured_timings(cfg, INSTALLED, versions, sel, "bf16", "bfloat16", tmp_path / "work")
+    assert [t.backend for t in got] == ["sdpa", "flash_attention_4"]  # read back, no worker launched
+    assert not (tmp_path / "work").exists()
+    assert measured_timings(cfg, INSTALLED, versions, selection_for("cpu", []), "fp32", "float32",
+                            tmp_path / "work") is None
+
+
+def test_gpu_proof_compares_two_different_backends_or_says_it_made_no_comparison():
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("gpu_proof", REPO / "benchmarks" / "gpu_proof.py")
+    proof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proof)
+    only_sdpa = report([H100])  # flash-attn not installed
+    with_fa4 = report([H100], fa4=True)
+    assert proof.other_backend("flash_attention_4", with_fa4)[0] == "sdpa"
+    assert proof.other_backend("sdpa", with_fa4)[0] == "flash_attention_4"
+    other, why = proof.other_backend("sdpa", only_sdpa)
+    assert other is None and "no other attention backend is installed and usable" in why
+
+
+def test_eval_dtype_auto_is_bf16_only_on_bf16_cpus_for_wide_models():
+    from tasks.environment import auto_eval_dtype
+
+    wide, narrow = load_config(None, ["model.source=generated:qwen3-0.6b"]), load_config(None, [])
+    tiny = load_config(None, ["model.source=generated:tiny-llama"])
+    assert auto_eval_dtype(wide, on_gpu=False, cpu_bf16=True, compute="float32") == "bfloat16"
+    assert auto_eval_dtype(tiny, on_gpu=False, cpu_bf16=True, compute="float32") == "float32"
+    assert auto_eval_dtype(wide, on_gpu=False, cpu_bf16=False, compute="float32") == "float32"
+    assert auto_eval_dtype(narrow, on_gpu=True, cpu_bf16=True, compute="bfloat16") == "bfloat16"
+    plan = resolve_plan(load_config(None, ["hardware.gpus=cpu", "model.source=generated:qwen3-0.6b"]),
+                        report([]).model_copy(update={"cpu_bf16": True}), selection_for("cpu", []))
+    assert (plan.compute_dtype, plan.eval_dtype) == ("float32", "bfloat16")
+    with pytest.raises(EnvironmentMismatch, match="eval.dtype=float16 needs a GPU"):
+        resolve_plan(load_config(None, ["hardware.gpus=cpu", "eval.dtype=float16"]), report([]),
+                     selection_for("cpu", []))

@@ -1,0 +1,131 @@
+"""Generation engines (tasks/generation.py) and the loss pass on the CPU: the fast engines give the very greedy
+tokens of `generate()`, with the adapter on and off, and refuse what they cannot run with a clear message."""
+
+from __future__ import annotations
+
+import pytest
+
+from eval_support import tiny_quantized
+from tasks.dequantize import dequantized_copy
+from tasks.generation import (
+    EngineUnavailable, choose_engine, generate_continuous, generate_reference, generate_static,
+    length_sorted_batches, stop_token_ids,
+)
+
+
+@pytest.fixture(scope="module")
+def model_and_prompts(shared_cache):
+    """The tiny model's fp32 evaluation copy with a random (non-zero) LoRA adapter, and prompts of varied length."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = shared_cache / "generation"
+    copy = dequantized_copy(tiny_quantized(cache), cache)
+    tokenizer = AutoTokenizer.from_pretrained(copy)
+    model = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():  # at init scale (std 0.02) every prompt gets the same answer; scaled, they differ
+        for name, param in model.named_parameters():
+            if name.endswith("proj.weight"):
+                param.mul_(4)
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).eval()
+    prompts = [f"Ticket {i}: " + "the invoice is wrong " * (i % 5) + "order late " * (i % 3) for i in range(24)]
+    return model, tokenizer, prompts
+
+
+def one_by_one(model, tokenizer, prompts, new_tokens, stops):
+    """model.generate() on each prompt alone: no padding, nothing shared."""
+
+    out = []
+    for p in prompts:
+        ids = tokenizer(p, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        row = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, eos_token_id=stops,
+                             pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        out.append(next((row[:i] for i, t in enumerate(row) if t in stops), row))
+    return out
+
+
+@pytest.mark.parametrize("adapter", [False, True], ids=["base", "adapter"])
+def test_engines_give_identical_greedy_tokens(model_and_prompts, adapter):
+    model, tokenizer, prompts = model_and_prompts
+    (model.base_model.enable_adapter_layers if adapter else model.base_model.disable_adapter_layers)()
+    stops, pad = stop_token_ids(model, tokenizer), tokenizer.pad_token_id
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    expected = one_by_one(model, tokenizer, prompts, 10, stops)
+    assert len({tuple(t) for t in expected}) > 3  # the prompts lead to different answers: a meaningful check
+    runs = {
+        "generate": generate_reference(model, tokenizer, prompts, 10, batch_size=8),
+        "static": generate_static(model, ids, 10, stops, pad, batch_tokens=160),
+        "continuous": generate_continuous(model, ids, 10, stops, pad, batch_tokens=64, memory_bytes=2**26),
+    }
+    assert runs["static"].details["batches"] > 2  # several length-sorted batches were really used
+    for name, run in runs.items():
+        assert not run.failures, name
+        assert run.tokens == expected, name
+        assert 0 < run.first_result_seconds <= run.seconds, name
+
+
+def test_the_adapter_changes_the_answers(model_and_prompts):
+    model, tokenizer, prompts = model_and_prompts
+    stops, pad = stop_token_ids(model, tokenizer), tokenizer.pad_token_id
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    model.base_model.disable_adapter_layers()
+    base = generate_static(model, ids, 6, stops, pad, batch_tokens=4096).tokens
+    model.base_model.enable_adapter_layers()
+    adapted = generate_static(model, ids, 6, stops, pad, batch_tokens=4096).tokens
+    assert base != adapted
+
+
+def test_answer_loss_equals_the_padded_reference(model_and_prompts):
+    import torch
+
+    from tasks.eval_worker import answer_loss, padded_loss, shared_answers
+
+    model, tokenizer, prompts = model_and_prompts
+    model.base_model.enable_adapter_layers()
+    rows = []
+    for i, p in enumerate(prompts):
+        prompt = tokenizer(p, add_special_tokens=False)["input_ids"]
+        answer = tokenizer(f" team{i % 4}/high", add_special_tokens=False)["input_ids"]
+        rows.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
+    pad = tokenizer.pad_token_id
+    reference = padded_loss(model, rows, 5, pad, torch.device("cpu"))
+    total, count = answer_loss(model, rows, 200, pad, torch.device("cpu"))
+    assert total / count == pytest.approx(reference, rel=1e-5)
+    # the static engine scores the same answers from the prompts' cache while it generates
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[:-3]]  # 3 rows left over
+    shared, rest = shared_answers(rows, prompt_ids)
+    assert sum(a is not None for a in shared) == len(prompt_ids) and len(rest) == 3
+    run = generate_static(model, prompt_ids, 4, stop_token_ids(model, tokenizer), pad, 160, answers=shared)
+    shared_total, shared_count = run.details["loss"]
+    rest_total, rest_count = answer_loss(model, rest, 200, pad, torch.device("cpu"))
+    assert (shared_total + rest_total) / (shared_count + rest_count) == pytest.approx(reference, rel=1e-5)
+    assert run.tokens == generate_static(model, prompt_ids, 4, stop_token_ids(model, tokenizer), pad, 160).tokens
+
+
+def test_length_sorted_batches_fit_the_budget():
+    lengths = [5, 50, 7, 30, 30, 2]
+    batches = length_sorted_batches(lengths, 10, 130)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    assert [lengths[b[0]] for b in batches] == sorted((lengths[b[0]] for b in batches), reverse=True)
+    assert all(len(b) * (lengths[b[0]] + 10) <= 130 or len(b) == 1 for b in batches)
+    assert length_sorted_batches([500], 10, 64) == [[0]]  # a prompt longer than the budget still runs alone
+
+
+def test_engines_that_cannot_run_here_are_refused_clearly():
+    with pytest.raises(EngineUnavailable, match="continuous cannot use attention backend flex_attention"):
+        choose_engine("continuous", "flex_attention")
+    with pytest.raises(EngineUnavailable, match="spread over 2 GPUs"):
+        choose_engine("continuous", "flash_attention_2", devices=2)
+    with pytest.raises(EngineUnavailable, match="unknown engine"):
+        choose_engine("vllm", "sdpa")
+    assert choose_engine("auto", "sdpa") == "static"
+    assert choose_engine("auto", "flash_attention_3", devices=2) == "static"
+    assert choose_engine("generate", "flex_attention") == "generate"
+
+
+def test_cuda_graphs_are_refused_without_a_gpu(model_and_prompts):
+    model, tokenizer, prompts = model_and_prompts
+    with pytest.raises(EngineUnavailable, match="CUDA graphs need a CUDA device"):
+        generate_static(model, [[1, 2, 3]], 2, [tokenizer.eos_token_id], 0, 64, cuda_graphs=True)
