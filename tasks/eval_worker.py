@@ -63,12 +63,13 @@ def _evaluate(job: dict) -> dict:
     plan = Plan.model_validate(job["plan"])
     data_path, adapter_path = Path(job["data"]), Path(job["adapter"])
     device = torch.device("cuda:0" if plan.device == "cuda" and torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(adapter_path)
+    remote = cfg.model.trust_remote_code  # the orchestrator refused it unless the worker's policy allows it
+    tokenizer = AutoTokenizer.from_pretrained(adapter_path, trust_remote_code=remote)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     base = AutoModelForCausalLM.from_pretrained(job["base"], device_map={"": str(device)},
                                                 dtype=torch_dtype(plan.compute_dtype),
-                                                attn_implementation=plan.eval_attn)
+                                                attn_implementation=plan.eval_attn, trust_remote_code=remote)
     model = PeftModel.from_pretrained(base, adapter_path).eval()
     print(f"evaluating on {device} with attn_implementation={model.config._attn_implementation}", flush=True)
 
