@@ -97,7 +97,9 @@ def test_evaluate_refuses_a_directory_that_is_not_an_adapter(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prefect-stack")
-    s = PrefectStack(home=tmp / "home", logs=tmp / "logs")
+    base = tmp_path_factory.getbasetemp()  # the runs below write caches and outputs in temporary directories
+    s = PrefectStack(home=tmp / "home", logs=tmp / "logs",
+                     allow={"output_roots": [base], "cache_roots": [base], "config_roots": [base]})
     try:
         s.start_server()
         s.make("deploy")
