@@ -209,6 +209,17 @@ class PrefectStack:
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run_id)])))
         return {a.key: a for a in sorted(found, key=lambda a: a.created)}
 
+    @contextmanager
+    def deployed(self) -> Iterator["PrefectStack"]:
+        """The server up, `make deploy` done and `make worker` running for the block; everything stopped after."""
+        try:
+            self.start_server()
+            self.make("deploy")
+            self.start_worker()
+            yield self
+        finally:
+            self.close()
+
     def close(self) -> None:
         for proc in reversed(self.procs):  # the worker first, then the server
             stop(proc)

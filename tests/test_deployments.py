@@ -100,13 +100,8 @@ def stack(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()  # the runs below write caches and outputs in temporary directories
     s = PrefectStack(home=tmp / "home", logs=tmp / "logs",
                      allow={"output_roots": [base], "cache_roots": [base], "config_roots": [base]})
-    try:
-        s.start_server()
-        s.make("deploy")
-        s.start_worker()
+    with s.deployed():
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

@@ -43,13 +43,8 @@ def stack(host, tmp_path_factory):
     s = PrefectStack(home=tmp / "home", logs=tmp / "logs", allow={
         "data_roots": [host / "data"], "output_roots": [host / "runs"], "cache_roots": [host / "cache"]})
     s.env["HF_TOKEN"] = SECRET  # the worker host holds a Hub token; no run of an untrusted source may see it
-    try:
-        s.start_server()
-        s.make("deploy")
-        s.start_worker()
+    with s.deployed():
         yield s
-    finally:
-        s.close()
 
 
 def tiny(host: Path, **extra: str) -> list[str]:
