@@ -56,7 +56,8 @@ class EvalReport(BaseModel):
     def table(self) -> list[dict[str, object]]:
         rows = []
         for name, key, s in (("base", "base", self.base), ("base + adapter", "adapter", self.adapter)):
-            row: dict[str, object] = {"model": name, "eval loss": round(s.loss, 4), "perplexity": round(s.perplexity, 3)}
+            row: dict[str, object] = {"model": name, "eval loss": round(s.loss, 4),
+                                      "perplexity": round(s.perplexity, 3)}
             for metric in METRICS if self.rates else (self.metric,):
                 value = self.rates[key].get(metric) if self.rates else s.generation_score
                 row[metric] = None if value is None else round(value, 4)

@@ -97,7 +97,8 @@ def pin_hub_revisions(cfg):
     from tasks.errors import DataError, ModelSourceError
 
     model, data = cfg.model, cfg.data
-    if not (model.source.startswith(("builtin:", "generated:", ".", "/", "~")) or Path(model.source).expanduser().exists()):
+    source = model.source
+    if not (source.startswith(("builtin:", "generated:", ".", "/", "~")) or Path(source).expanduser().exists()):
         try:
             model = model.model_copy(update={"revision": resolve_hub_revision(model.source, model.revision, "model")})
         except LookupError as exc:

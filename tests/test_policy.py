@@ -82,7 +82,8 @@ def test_cache_root_from_the_environment_is_checked_too(host, monkeypatch):
 
 def test_data_outside_the_data_roots_is_refused_without_reading_it(host):
     (host / "data" / "link.jsonl").symlink_to(host / "outside" / "secret.jsonl")
-    for path in (host / "outside" / "secret.jsonl", host / "data" / "link.jsonl", f"{host}/data/../outside/secret.jsonl"):
+    secret = host / "outside" / "secret.jsonl"
+    for path in (secret, host / "data" / "link.jsonl", f"{host}/data/../outside/secret.jsonl"):
         message = refused(host, **{"data.source": str(path)})
         assert "outside the policy's data_roots" in message and "hunter2" not in message
     assert "data.eval_source" in refused(host, **{"data.eval_source": str(host / "outside" / "secret.jsonl")})
@@ -152,4 +153,5 @@ def test_worker_processes_get_no_secrets_unless_the_policy_trusts_the_source(hos
                                                       "cache_roots": ["cache"], "secrets_for": ["generated:*"]}))
     monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
     checked_config(None, allowed(host))
-    assert run_worker("env", [sys.executable, "-c", probe, str(tmp_path)], {}, tmp_path)["HF_TOKEN"] == "hf_secret_value"
+    env = run_worker("env", [sys.executable, "-c", probe, str(tmp_path)], {}, tmp_path)
+    assert env["HF_TOKEN"] == "hf_secret_value"

@@ -66,7 +66,8 @@ def test_a_moved_cache_hands_back_paths_under_its_new_location(tmp_path):
     (lambda e: e.manifest_path.write_text(e.manifest_path.read_text()[:40]), "manifest unreadable or truncated"),
     (lambda e: e.manifest_path.unlink(), "no manifest"),
     (lambda e: (e.path / "sub" / "weights.bin").unlink(), "sub/weights.bin is missing"),
-    (lambda e: (e.path / "sub" / "weights.bin").write_bytes(b"weight"), "sub/weights.bin has 6 bytes, the manifest says 7"),
+    (lambda e: (e.path / "sub" / "weights.bin").write_bytes(b"weight"),
+     "sub/weights.bin has 6 bytes, the manifest says 7"),
     (lambda e: (e.path / "sub" / "weights.bin").write_bytes(b"WEIGHTS"), "sub/weights.bin does not match its sha256"),
 ], ids=["truncated-manifest", "no-manifest", "missing-file", "truncated-file", "changed-bytes"])
 def test_a_damaged_entry_is_not_trusted_and_is_produced_again(tmp_path, caplog, damage, reason):
