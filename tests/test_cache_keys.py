@@ -40,6 +40,8 @@ def alternative(model: type[BaseModel], name: str, value: object) -> object:
                             options) if isinstance(o, str) and o != value]
     if isinstance(value, bool):
         return not value
+    if bool in options and value == "auto":  # bool | Literal["auto"]
+        return True
     if literals and typing.get_origin(annotation) is typing.Literal:
         return literals[0]
     if isinstance(value, int):
@@ -47,7 +49,7 @@ def alternative(model: type[BaseModel], name: str, value: object) -> object:
     if isinstance(value, float):
         return value / 2 if value else 0.5
     if value is None:
-        return 7 if int in options else "some-value"
+        return 64 if int in options else "some-value"
     if isinstance(value, str):
         return ["q_proj"] if name == "target_modules" else value + "x"
     raise AssertionError(f"no alternative value for {model.__name__}.{name}={value!r}: add one to this test")
