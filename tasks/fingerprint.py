@@ -20,8 +20,10 @@ _PROJECT = Path(__file__).resolve().parent
 STEP_LIBRARIES: dict[str, tuple[str, ...]] = {
     "prepare-dataset": ("transformers", "tokenizers", "datasets"),
     "quantize-base-model": ("torch", "transformers", "bitsandbytes", "accelerate"),
-    "train-adapter": ("torch", "transformers", "peft", "bitsandbytes", "accelerate"),
-    "evaluate-adapter": ("torch", "transformers", "peft", "bitsandbytes", "accelerate"),
+    "train-adapter": ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "liger-kernel", "flash-attn",
+                      "flash-attn-3", "flash-attn-4"),
+    "evaluate-adapter": ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "flash-attn", "flash-attn-3",
+                         "flash-attn-4"),
 }
 
 # The `tasks` modules whose source can change each step's output. Modules not present (yet) are skipped, so a
@@ -29,7 +31,7 @@ STEP_LIBRARIES: dict[str, tuple[str, ...]] = {
 STEP_CODE: dict[str, tuple[str, ...]] = {
     "prepare-dataset": ("dataset", "demo_data"),
     "quantize-base-model": ("quantize", "models"),
-    "train-adapter": ("train", "train_worker", "packing", "attention"),
+    "train-adapter": ("train", "train_worker", "packing", "attention", "planner"),
     "evaluate-adapter": ("evaluate", "eval_worker", "metrics", "generation", "dequantize"),
 }
 

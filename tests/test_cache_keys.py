@@ -29,6 +29,10 @@ NOT_IN_ANY = ["run.name=other", "run.output_dir=/elsewhere", "run.cache_dir=/ano
 def readme_row(step: str) -> str:
     text = (REPO / "README.md").read_text()
     (row,) = re.findall(rf"^\| {re.escape(step)} \|.*$", text, flags=re.M)
+    for lib in fingerprint.STEP_LIBRARIES[step]:
+        assert lib.split("-")[0] in row, f"the README row of {step} does not name {lib}"
+    for module in fingerprint.STEP_CODE[step]:
+        assert f"{module}.py" in row, f"the README row of {step} does not name tasks/{module}.py"
     return row
 
 
