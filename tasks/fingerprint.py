@@ -31,7 +31,7 @@ STEP_LIBRARIES: dict[str, tuple[str, ...]] = {
 STEP_CODE: dict[str, tuple[str, ...]] = {
     "prepare-dataset": ("dataset", "demo_data"),
     "quantize-base-model": ("quantize", "models"),
-    "train-adapter": ("train", "train_worker", "packing", "attention", "planner"),
+    "train-adapter": ("train", "train_worker", "packing", "attention", "planner", "distributed"),
     "evaluate-adapter": ("evaluate", "eval_worker", "metrics", "generation", "dequantize"),
 }
 

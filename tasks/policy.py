@@ -13,6 +13,9 @@ the defaults below) says what such a run may do:
     output_roots: [<checkout>/runs]     # run.output_dir
     cache_roots: [~/.cache/finetune-flows]   # run.cache_dir (or FINETUNE_FLOWS_CACHE)
     secrets_for: []               # model sources (patterns) whose runs may see HF_TOKEN and other secrets
+    ray_addresses: [auto]         # hardware.ray_address values (patterns) training may join: `auto` is the
+                                  # cluster this host joined itself
+    rdzv_endpoints: []            # hardware.rdzv_endpoint values (patterns) a multi-node torchrun may meet at
 
 Paths are resolved (symlinks, `..`) before they are compared; relative roots are relative to the policy file.
 A run that asks for more is refused before anything is read or written, with one message naming each key and
@@ -55,6 +58,8 @@ class Policy(BaseModel):
     output_roots: list[Path] = []
     cache_roots: list[Path] = Field(default_factory=lambda: [Path(DEFAULT_CACHE)])
     secrets_for: list[str] = []
+    ray_addresses: list[str] = Field(default_factory=lambda: ["auto"])
+    rdzv_endpoints: list[str] = []
     source: str = Field("built-in safe defaults", exclude=True)  # where it came from, for messages
 
     @classmethod
@@ -150,6 +155,13 @@ def config_problems(policy: Policy, cfg: FinetuneConfig) -> list[str]:
     if attn != "auto" and attn not in ATTENTION_BACKENDS and not policy.remote_code:
         problems.append(f"hardware.attn_implementation={attn} loads a Hub kernel (remote code); the policy does not "
                         "allow remote code (remote_code: false)")
+    h = cfg.hardware  # a foreign cluster or rendezvous would receive this host's data and weights
+    if h.launcher == "ray" and not any(fnmatch.fnmatchcase(h.ray_address, p) for p in policy.ray_addresses):
+        problems.append(f"hardware.ray_address={h.ray_address} is not among the policy's ray_addresses "
+                        f"({', '.join(policy.ray_addresses) or 'none'})")
+    if h.rdzv_endpoint is not None and not any(fnmatch.fnmatchcase(h.rdzv_endpoint, p) for p in policy.rdzv_endpoints):
+        problems.append(f"hardware.rdzv_endpoint={h.rdzv_endpoint} is not among the policy's rdzv_endpoints "
+                        f"({', '.join(policy.rdzv_endpoints) or 'none'})")
     if not _source_allowed(cfg.model.source, policy.model_sources):
         problems.append(f"model.source={cfg.model.source} is not among the policy's model_sources "
                         f"({', '.join(policy.model_sources) or 'none'})")

@@ -179,6 +179,7 @@ def test_train_adapter_row(tmp_path, monkeypatch):
     for named in ("dataset", "4-bit base", "`lora.*`", "`train.*`", "`TRAIN_KEYS_NOT_IN_CACHE_KEY`", "ranks",
                   "device", "precision", "attention", "torch", "transformers", "peft", "bitsandbytes", "accelerate",
                   "`tasks/train.py`", "`tasks/train_worker.py`", "`eval.*`", "`run.*`",
+                  "`hardware.launcher`", "`hardware.nodes`", "`hardware.gpus_per_node`",
                   *(f"`train.{k}`" for k in TRAIN_KEYS_NOT_IN_CACHE_KEY)):
         assert named in row, named
     keys = Keys(lambda cfg: train_fingerprint(cfg, dataset(), base_model(), PLAN), [])
@@ -192,6 +193,8 @@ def test_train_adapter_row(tmp_path, monkeypatch):
     for plan_change in ({"nproc": 2}, {"device": "cuda"}, {"precision": "bf16"}, {"train_attn": "eager"}):
         assert train_fingerprint(cfg, dataset(), base_model(), PLAN.model_copy(update=plan_change)) != keys.reference
     assert train_fingerprint(cfg, dataset(), base_model(), PLAN.model_copy(update={"gpu_ids": [3]})) == keys.reference
+    for launch in (["hardware.nodes=2", "hardware.rdzv_endpoint=node1:29400"], ["hardware.launcher=ray"]):
+        assert train_fingerprint(load_config(None, launch), dataset(), base_model(), PLAN) != keys.reference, launch
     keys.assert_not_in_key(["eval.max_samples=3", "eval.metric=contains", *NOT_IN_ANY])
     keys.assert_library_and_code_in_key(monkeypatch, "train-adapter", tmp_path, cfg)
 

@@ -90,6 +90,16 @@ def test_data_outside_the_data_roots_is_refused_without_reading_it(host):
     assert "hub_datasets: false" in refused(host, **{"data.source": "hub:org/data"})
 
 
+def test_training_joins_only_the_clusters_and_rendezvous_the_policy_names(host):
+    assert "hardware.ray_address=10.0.0.9:6379 is not among the policy's ray_addresses (auto)" in refused(
+        host, **{"hardware.launcher": "ray", "hardware.ray_address": "10.0.0.9:6379"})
+    assert "hardware.rdzv_endpoint=evil.example:29400 is not among the policy's rdzv_endpoints (none)" in refused(
+        host, **{"hardware.nodes": 2, "hardware.rdzv_endpoint": "evil.example:29400"})
+    policy = read_policy(host / "policy.yaml").model_copy(update={"rdzv_endpoints": ["node1.cluster:*"]})
+    ok = load_config(None, allowed(host, **{"hardware.nodes": 2, "hardware.rdzv_endpoint": "node1.cluster:29400"}))
+    assert config_problems(policy, ok) == []
+
+
 def test_model_sources_are_patterns_and_local_directories(host):
     assert "model.source=Qwen/Qwen3-0.6B is not among the policy's model_sources" in refused(
         host, **{"model.source": "Qwen/Qwen3-0.6B"})
