@@ -24,6 +24,7 @@ STEP_LIBRARIES: dict[str, tuple[str, ...]] = {
                       "flash-attn-3", "flash-attn-4"),
     "evaluate-adapter": ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "flash-attn", "flash-attn-3",
                          "flash-attn-4"),
+    "merge-adapter": ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors"),
 }
 
 # The `tasks` modules whose source can change each step's output. Modules not present (yet) are skipped, so a
@@ -33,6 +34,7 @@ STEP_CODE: dict[str, tuple[str, ...]] = {
     "quantize-base-model": ("quantize", "models"),
     "train-adapter": ("train", "train_worker", "packing", "attention", "planner", "distributed"),
     "evaluate-adapter": ("evaluate", "eval_worker", "metrics", "generation", "dequantize"),
+    "merge-adapter": ("export", "dequantize"),
 }
 
 

@@ -16,6 +16,7 @@ the defaults below) says what such a run may do:
     ray_addresses: [auto]         # hardware.ray_address values (patterns) training may join: `auto` is the
                                   # cluster this host joined itself
     rdzv_endpoints: []            # hardware.rdzv_endpoint values (patterns) a multi-node torchrun may meet at
+    mlflow_uris: []               # tracking.mlflow_uri values (patterns) runs may send their results to
 
 Paths are resolved (symlinks, `..`) before they are compared; relative roots are relative to the policy file.
 A run that asks for more is refused before anything is read or written, with one message naming each key and
@@ -60,6 +61,7 @@ class Policy(BaseModel):
     secrets_for: list[str] = []
     ray_addresses: list[str] = Field(default_factory=lambda: ["auto"])
     rdzv_endpoints: list[str] = []
+    mlflow_uris: list[str] = []
     source: str = Field("built-in safe defaults", exclude=True)  # where it came from, for messages
 
     @classmethod
@@ -162,6 +164,10 @@ def config_problems(policy: Policy, cfg: FinetuneConfig) -> list[str]:
     if h.rdzv_endpoint is not None and not any(fnmatch.fnmatchcase(h.rdzv_endpoint, p) for p in policy.rdzv_endpoints):
         problems.append(f"hardware.rdzv_endpoint={h.rdzv_endpoint} is not among the policy's rdzv_endpoints "
                         f"({', '.join(policy.rdzv_endpoints) or 'none'})")
+    uri = cfg.tracking.mlflow_uri  # it receives the config, the eval answers and the adapter
+    if uri is not None and not any(fnmatch.fnmatchcase(uri, p) for p in policy.mlflow_uris):
+        problems.append(f"tracking.mlflow_uri={uri} is not among the policy's mlflow_uris "
+                        f"({', '.join(policy.mlflow_uris) or 'none'})")
     if not _source_allowed(cfg.model.source, policy.model_sources):
         problems.append(f"model.source={cfg.model.source} is not among the policy's model_sources "
                         f"({', '.join(policy.model_sources) or 'none'})")

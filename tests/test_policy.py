@@ -95,6 +95,8 @@ def test_training_joins_only_the_clusters_and_rendezvous_the_policy_names(host):
         host, **{"hardware.launcher": "ray", "hardware.ray_address": "10.0.0.9:6379"})
     assert "hardware.rdzv_endpoint=evil.example:29400 is not among the policy's rdzv_endpoints (none)" in refused(
         host, **{"hardware.nodes": 2, "hardware.rdzv_endpoint": "evil.example:29400"})
+    assert "tracking.mlflow_uri=http://collector.example:5000 is not among the policy's mlflow_uris" in refused(
+        host, **{"tracking.mlflow_uri": "http://collector.example:5000"})
     policy = read_policy(host / "policy.yaml").model_copy(update={"rdzv_endpoints": ["node1.cluster:*"]})
     ok = load_config(None, allowed(host, **{"hardware.nodes": 2, "hardware.rdzv_endpoint": "node1.cluster:29400"}))
     assert config_problems(policy, ok) == []
