@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from tasks.fingerprint import combine, hash_tree, step_versions
 from tasks.gpus import GpuSelection
 from tasks.launcher import python_module, run_logger, run_worker, worker_main, write_job
 from tasks.quantize import QuantizedModel, torch_dtype
-from tasks.store import Entry, reuse_or_produce
+from tasks.store import MANIFEST, Entry, reuse_or_produce
 
 RECORD = "export.json"
 HEADROOM = 1.25  # allocator slack, activations of the check, the tokenizer: measured need is below this
@@ -176,24 +177,28 @@ def _export(job: dict) -> dict:
     base.hf_device_map = {"": "cpu"}  # offloaded: the adapter must load next to the weights, not on the GPU
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload().to(export_dtype)
     merged.config.use_cache = True
-    # The orchestrator holds the entry's lock, removes what a failed attempt wrote and commits the manifest.
-    merged.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    del merged, base
-    reloaded = AutoModelForCausalLM.from_pretrained(out, **load).eval()  # what a user gets
-    error, agreement, tokens = compare_logits(reference, _logits(reloaded, tokenizer, prompts, device))
-    print(f"merged {layers} dequantized layers + adapter -> {cfg.export.dtype}: logits within {error:.3g} "
-          f"(relative to their spread) of base + adapter, top-1 agreement {agreement:.4f} on {tokens} tokens",
-          flush=True)
-    if not error <= cfg.export.max_logit_error:  # the same inputs give the same result: not worth a retry
-        raise ConfigError([f"the merged model's logits differ from base + adapter by {error:.3g} of their "
-                           f"spread, more than export.max_logit_error={cfg.export.max_logit_error}: not "
-                           "exported (export.merge=false skips the step)"], "export")
-    record = dict(path=str(out), fingerprint=job["fingerprint"], dtype=cfg.export.dtype, parameters=parameters,
-                  size_mb=round(sum(p.stat().st_size for p in out.glob("*.safetensors")) / 2**20, 1),
-                  logit_error=error, top1_agreement=agreement, check_prompts=len(prompts),
-                  check_tokens=tokens, device=str(device), seconds=round(time.perf_counter() - started, 1))
-    (out / RECORD).write_text(json.dumps(record, indent=2))
+    # The orchestrator holds the entry's lock and commits its manifest; a merge that fails its check keeps nothing.
+    try:
+        merged.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        del merged, base
+        reloaded = AutoModelForCausalLM.from_pretrained(out, **load).eval()  # what a user gets
+        error, agreement, tokens = compare_logits(reference, _logits(reloaded, tokenizer, prompts, device))
+        print(f"merged {layers} dequantized layers + adapter -> {cfg.export.dtype}: logits within {error:.3g} "
+              f"(relative to their spread) of base + adapter, top-1 agreement {agreement:.4f} on {tokens} tokens",
+              flush=True)
+        if not error <= cfg.export.max_logit_error:  # the same inputs give the same result: not worth a retry
+            raise ConfigError([f"the merged model's logits differ from base + adapter by {error:.3g} of their "
+                               f"spread, more than export.max_logit_error={cfg.export.max_logit_error}: not "
+                               "exported (export.merge=false skips the step)"], "export")
+        record = dict(path=str(out), fingerprint=job["fingerprint"], dtype=cfg.export.dtype, parameters=parameters,
+                      size_mb=round(sum(p.stat().st_size for p in out.glob("*.safetensors")) / 2**20, 1),
+                      logit_error=error, top1_agreement=agreement, check_prompts=len(prompts),
+                      check_tokens=tokens, device=str(device), seconds=round(time.perf_counter() - started, 1))
+        (out / RECORD).write_text(json.dumps(record, indent=2))
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     return record
 
 
@@ -236,11 +241,9 @@ def merge_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
 
 def link_tree(source: Path, target: Path) -> None:
     """A standalone copy that costs no space: hard links where the file system allows, copies elsewhere."""
-    import shutil
-
     target.mkdir(parents=True)
     for path in source.iterdir():
-        if path.is_file() and path.name != RECORD:
+        if path.is_file() and path.name not in (RECORD, MANIFEST):
             try:
                 os.link(path, target / path.name)
             except OSError:
