@@ -100,8 +100,8 @@ class PrefectStack:
             PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS="5",
             PREFECT_WORKER_QUERY_SECONDS="2", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
             PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-            FINETUNE_FLOWS_POLICY=str(self.write_policy(logs.parent / "worker-policy.yaml", allow or {})),
         )
+        self.policy = str(self.write_policy(logs.parent / "worker-policy.yaml", allow or {}))  # for `make worker`
         self.env = env
         self.procs: list[subprocess.Popen] = []
 
@@ -148,7 +148,7 @@ class PrefectStack:
         return result
 
     def start_worker(self) -> None:
-        self._spawn(["make", "-o", STAMP, "worker"], "worker")
+        self._spawn(["make", "-o", STAMP, "worker", f"FINETUNE_FLOWS_POLICY={self.policy}"], "worker")
 
     def deployment_run(self, name: str, **params: Any) -> str:
         """`prefect deployment run NAME --param k=<json>`; returns the new flow run's id."""

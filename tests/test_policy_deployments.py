@@ -96,7 +96,7 @@ def test_a_run_asking_for_more_than_the_policy_is_refused_and_writes_nothing(sta
     flow_run_id, run = runs[name]
     assert run.state.type.value == "FAILED", (name, run.state.message)
     text = messages(stack, flow_run_id)
-    policy_file = stack.env["FINETUNE_FLOWS_POLICY"]
+    policy_file = stack.policy
     assert f"refused by the worker policy ({policy_file})" in text, text[-3000:]
     assert refusals(host)[name][1] in text, text[-3000:]
     assert SECRET_ROW not in text and SECRET not in text
@@ -107,7 +107,7 @@ def test_refused_runs_left_no_run_directory_and_no_cache_entry(host, runs):
     allowed_dirs = {p.name for p in (host / "runs").iterdir()} - {"link"}
     assert len(allowed_dirs) == 1 and next(iter(allowed_dirs)).startswith("policy-")  # only the allowed run's
     assert sorted(p.name for p in (host / "cache").iterdir() if p.name != "link") == [
-        ".locks", "adapters", "datasets", "evals", "models", "quantized", "tokenizers"]
+        ".locks", "adapters", "datasets", "evals", "merged", "models", "quantized", "tokenizers"]
 
 
 def test_the_allowed_run_completes_and_never_shows_the_hosts_token(stack, host, runs):
