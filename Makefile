@@ -87,8 +87,15 @@ server pool limits deploy worker: export PREFECT_API_URL ?= http://127.0.0.1:$(P
 .PHONY: server pool limits deploy worker test-deps
 
 # The embedded SQLite database lives in $$PREFECT_HOME (~/.prefect); PREFECT_SERVER_DATABASE_CONNECTION_URL
-# selects PostgreSQL instead.
+# selects PostgreSQL instead. A server listening beyond this machine must require authentication: set
+# PREFECT_SERVER_API_AUTH_STRING=user:password for it and PREFECT_API_AUTH_STRING (the same) for every client and
+# worker; `make server` refuses a non-loopback PREFECT_HOST without it (ALLOW_NO_AUTH=1 overrides).
 server: setup
+	@case "$(PREFECT_HOST)" in 127.0.0.1|localhost|::1) ;; *) \
+	  if [ -z "$$PREFECT_SERVER_API_AUTH_STRING" ] && [ "$(ALLOW_NO_AUTH)" != 1 ]; then \
+	    echo "make server: PREFECT_HOST=$(PREFECT_HOST) exposes the API beyond this machine without authentication;" \
+	         "set PREFECT_SERVER_API_AUTH_STRING=user:password (clients: PREFECT_API_AUTH_STRING) or ALLOW_NO_AUTH=1" >&2; \
+	    exit 2; fi ;; esac
 	$(PREFECT) server start --host $(PREFECT_HOST) --port $(PREFECT_PORT)
 
 pool: setup
@@ -101,9 +108,14 @@ limits: setup
 deploy: pool limits
 	$(PREFECT) --no-prompt deploy --all --prefect-file deployments/prefect.yaml
 
-# Flow runs execute in this checkout (the pull step in deployments/prefect.yaml reads FINETUNE_FLOWS_ROOT).
+# Flow runs execute in this checkout (the pull step in deployments/prefect.yaml reads FINETUNE_FLOWS_ROOT), under
+# this host's policy (tasks/policy.py): what runs may read, write and execute. The first `make worker` writes it
+# with safe defaults; edit it on the host, run parameters cannot change it.
+FINETUNE_FLOWS_POLICY ?= $(HOME)/.config/finetune-flows/worker-policy.yaml
 worker: pool limits
-	FINETUNE_FLOWS_ROOT=$(CURDIR) $(PREFECT) worker start --pool $(POOL) --type process --name $(POOL)-$$(hostname)
+	$(PY) -m tasks.policy $(FINETUNE_FLOWS_POLICY)
+	FINETUNE_FLOWS_POLICY=$(FINETUNE_FLOWS_POLICY) FINETUNE_FLOWS_ROOT=$(CURDIR) \
+	  $(PREFECT) worker start --pool $(POOL) --type process --name $(POOL)-$$(hostname)
 
 # The deployment tests drive the Prefect UI in headless Chromium (Debian's package; CI runs as root).
 test-deps:

@@ -20,6 +20,8 @@ from tasks.adapters import (  # noqa: E402
 )
 from tasks.caching import run_step  # noqa: E402
 from tasks.config import load_config  # noqa: E402
+from tasks.fingerprint import pin_hub_revisions  # noqa: E402
+from tasks.policy import check_adapter_path, checked_config  # noqa: E402
 from tasks.dataset import prepare_dataset  # noqa: E402
 from tasks.environment import verify_environment  # noqa: E402
 from tasks.evaluate import evaluate_adapter, publish_eval  # noqa: E402
@@ -28,10 +30,11 @@ from tasks.models import check_model_source, materialize_tokenizer  # noqa: E402
 from tasks.quantize import quantize_base_model  # noqa: E402
 
 
-@flow(name="evaluate", flow_run_name=eval_run_name, log_prints=True)
+@flow(name="evaluate", flow_run_name=eval_run_name, log_prints=True, persist_result=False)
 def evaluate(adapter: str, config: str | None = None, overrides: list[str] | None = None) -> EvaluationResult:
+    check_adapter_path(adapter)  # the worker's policy first: nothing read or written
     adapter_dir = check_adapter_dir(adapter)  # before anything loads
-    cfg = load_config(config or training_config(adapter_dir), overrides)
+    cfg = pin_hub_revisions(checked_config(config or training_config(adapter_dir), overrides))
     check_model_source(cfg.model.source)
     run_dir = create_eval_run_dir(cfg)
 

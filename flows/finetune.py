@@ -17,6 +17,8 @@ from prefect import flow  # noqa: E402
 
 from tasks.caching import run_step  # noqa: E402
 from tasks.config import load_config  # noqa: E402
+from tasks.fingerprint import pin_hub_revisions  # noqa: E402
+from tasks.policy import checked_config  # noqa: E402
 from tasks.dataset import prepare_dataset  # noqa: E402
 from tasks.environment import verify_environment  # noqa: E402
 from tasks.evaluate import evaluate_adapter, publish_eval  # noqa: E402
@@ -32,9 +34,9 @@ from tasks.train import train_adapter  # noqa: E402
 DEFAULT_CONFIG = "configs/demo.yaml"
 
 
-@flow(name="finetune", flow_run_name=flow_run_name, log_prints=True)
+@flow(name="finetune", flow_run_name=flow_run_name, log_prints=True, persist_result=False)
 def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = None) -> FinetuneResult:
-    cfg = load_config(config, overrides)
+    cfg = pin_hub_revisions(checked_config(config, overrides))  # the worker's policy first: nothing read or written
     check_model_source(cfg.model.source)
     check_tracking(cfg)
     run_dir = create_run_dir(cfg)

@@ -21,6 +21,7 @@ from tasks.launcher import run_logger
 from tasks.plots import publish_plots
 from tasks.quantize import QuantizedModel
 from tasks.runs import create_run_dir
+from tasks.store import write_atomic
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 TRAINING_CONFIG = "config.resolved.yaml"
@@ -84,7 +85,7 @@ def finish_evaluation(run_dir: Path, adapter_dir: Path, report: EvalReport) -> E
     shutil.copy(report.path, run_dir / "eval.json")
     publish_plots(run_dir, None, report)  # <run>/plots/eval.png and the `eval-comparison` artifact
     result = EvaluationResult(run_dir=run_dir, adapter_path=adapter_dir, eval=report)
-    (run_dir / "evaluation.json").write_text(result.model_dump_json(indent=2))
+    write_atomic(run_dir / "evaluation.json", result.model_dump_json(indent=2))  # the run's "done" marker
     create_link_artifact(adapter_dir.as_uri(), link_text=str(adapter_dir), key="adapter-location",
                          description="The evaluated LoRA adapter")
     create_markdown_artifact(render_evaluation(result), key="run-summary", description="Evaluation-only run summary")

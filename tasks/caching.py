@@ -1,27 +1,17 @@
-"""Running a cached step, and noticing when a cache record points at outputs that are gone."""
+"""Running a pipeline step and telling whether its output came from the store."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
 from prefect import Task
 
-from tasks.launcher import run_logger
 
-R = TypeVar("R")
+def run_step(step: Task[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
+    """Run a step task; return (result, reused).
 
-
-def run_step(step: Task[..., R], *args: Any, **kwargs: Any) -> tuple[R, bool]:
-    """Run a Prefect task; return (result, was_cached).
-
-    Cache keys are content fingerprints, and the outputs live in the cache directory. If someone deleted those
-    outputs, the Prefect record would hand back dangling paths, so the step is run again with a refreshed cache.
+    Steps reuse verified store entries (tasks/store.py) and then finish in a Completed state named `Cached`, which
+    is how the Prefect UI shows them too; this is the one cache layer, so there is nothing to reconcile here.
     """
     state = step(*args, return_state=True, **kwargs)
-    result = state.result()
-    cached = state.name == "Cached"
-    if cached and hasattr(result, "is_complete") and not result.is_complete():
-        run_logger().warning("%s: cached outputs are missing on disk; recomputing", step.name)
-        state = step.with_options(refresh_cache=True)(*args, return_state=True, **kwargs)
-        result, cached = state.result(), False
-    return result, cached
+    return state.result(), state.name == "Cached"

@@ -6,6 +6,8 @@ runs. `make deploy` and `make worker` create the limits of their host, one slot 
 (`python -m tasks.concurrency`). A run that finds a device busy waits, and says so in its log every
 `WAIT_REPORT_SECONDS` (doubling up to every 5 minutes); when a limit does not exist, the step runs unguarded
 and says so once per process (not at all on the temporary server of a plain CLI run, where nothing else runs).
+Slots guard devices, not outputs: one writer per output is the store's entry lock (tasks/store.py), always
+taken before the device slot.
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from tasks.launcher import run_logger
 
@@ -147,15 +148,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def produce_on_devices(done: Path, gpu_ids: list[int], launch: Callable[[], object]) -> None:
-    """Run `launch` holding the devices' slots, unless `done` exists: checked again once the slots are held,
-    because an identical run that held them first may have produced the same content-addressed output."""
-    if done.exists():
-        return
-    with device_slots(gpu_ids):
-        if done.exists():
-            run_logger().info("%s appeared while waiting for the device: reusing it", done.parent)
-            return
-        launch()

@@ -41,8 +41,14 @@ class ModelConfig(Section):
             "(needs the Hub)."
         ),
     )
-    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for Hub ids.")
-    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the checkpoint.")
+    revision: str | None = Field(
+        None, description="Hub revision (branch, tag or commit) for Hub ids; a run pins it to the commit it resolves "
+        "to, so cache keys and config.resolved.yaml name exactly what was read."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow custom code from the checkpoint, for the tokenizer, quantization, training and "
+        "evaluation alike. A worker's policy may forbid it (deployments/README.md)."
+    )
 
 
 class ColumnMap(Section):
@@ -71,6 +77,10 @@ class DataConfig(Section):
     )
     columns: ColumnMap = Field(default_factory=ColumnMap, description="Column names for each format.")
     hub_split: str = Field("train", description="Split to read from a Hub dataset.")
+    hub_revision: str | None = Field(
+        None, description="Revision (branch, tag or commit) of a `hub:` dataset; a run pins it to the commit it "
+        "resolves to, so the cache key changes when the dataset does."
+    )
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of rows held out for evaluation.")
     max_length: int = Field(512, ge=16, description="Tokens per example; longer examples are truncated.")
     max_samples: int | None = Field(None, ge=1, description="Use at most this many rows (after shuffling).")
@@ -253,7 +263,9 @@ class EvalConfig(Section):
     )
     batch_size: int = Field(16, ge=1, description="Examples per forward/generation batch of the `generate` engine.")
     metric: Literal["exact_match", "contains"] = Field(
-        "exact_match", description="`exact_match`: stripped output equals the reference; `contains`: it includes it."
+        "exact_match", description="Headline generation metric; both are always reported. `exact_match`: the output "
+        "equals the reference once leading/trailing whitespace is stripped, case-sensitive; `contains`: the output "
+        "includes the stripped reference, case-sensitive."
     )
 
 

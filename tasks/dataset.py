@@ -1,8 +1,10 @@
 """Step 3: read, validate, format and tokenize the data; split it; save it to disk.
 
 Rows may be instruction/response pairs, chat `messages`, or plain text. The tokenizer's chat template is
-applied where it has one; prompt tokens get label -100 so only the answer is learned. The result is cached on a
-fingerprint of the data content, the tokenizer files and the data settings.
+applied where it has one; prompt tokens get label -100 so only the answer is learned; BOS and EOS are added
+as the tokenizer defines them, templated or not. Held-out rows whose prompt also appears in training (exactly,
+or after folding case, digits and whitespace) are removed, and the count is reported. The result is a store
+entry keyed on the data content, the tokenizer files, the data settings, library versions and code.
 """
 
 from __future__ import annotations
@@ -10,17 +12,20 @@ from __future__ import annotations
 import csv
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from tasks.config import DataConfig, FinetuneConfig
 from tasks.demo_data import BUILTIN_DATASETS
 from tasks.errors import DataError, retry_unless_user_error
-from tasks.fingerprint import code_version, combine, hash_bytes_of, hash_tree
-from tasks.runs import atomic_dir
+from tasks.fingerprint import combine, hash_bytes_of, hash_tree, step_versions
+from tasks.launcher import run_logger
+from tasks.store import Entry, reuse_or_produce, step_state
 
 IGNORE_INDEX = -100
 ROLES = {"system", "user", "assistant"}
@@ -28,8 +33,11 @@ FALLBACK_PROMPT = "### Instruction:\n{prompt}\n\n### Response:\n"
 MAX_ROW_ERRORS = 5
 
 
+OUTPUTS = ("train.parquet", "eval.parquet", "eval_prompts.jsonl", "stats.json")
+
+
 class PreparedDataset(BaseModel):
-    path: Path  # holds train.parquet, eval.parquet (input_ids, labels), eval_prompts.jsonl, stats.json, DONE
+    path: Path  # holds train.parquet, eval.parquet (input_ids, labels), eval_prompts.jsonl, stats.json
     fingerprint: str
     format: str
     train_rows: int
@@ -37,9 +45,8 @@ class PreparedDataset(BaseModel):
     train_tokens: int
     truncated: int
     dropped: int
-
-    def is_complete(self) -> bool:
-        return (self.path / "DONE").is_file()
+    eval_removed_exact: int = 0  # held-out rows dropped because training has the same prompt
+    eval_removed_normalized: int = 0  # ... the same prompt once case, digits and whitespace are folded
 
 
 # ---------------------------------------------------------------- reading
@@ -56,7 +63,7 @@ def read_rows(source: str, cfg: DataConfig) -> list[dict[str, Any]]:
         import datasets
 
         try:
-            return list(datasets.load_dataset(source[4:], split=cfg.hub_split))
+            return list(datasets.load_dataset(source[4:], split=cfg.hub_split, revision=cfg.hub_revision))
         except Exception as exc:
             raise DataError(f"data.source={source}: could not load from the Hub: {exc}") from None
     path = Path(source).expanduser()
@@ -220,11 +227,25 @@ def normalize(rows: list[dict[str, Any]], cfg: DataConfig, where: str) -> tuple[
 # ---------------------------------------------------------------- tokenizing
 
 
+def bos_text(tokenizer) -> str:
+    """The BOS token the tokenizer puts before a sequence by default, as text ('' if it adds none).
+
+    Texts are tokenized with add_special_tokens=False (the chat template decides where special tokens go), so
+    a tokenizer that expects a BOS gets it here, in every layout, unless the template already wrote it.
+    """
+    if not tokenizer.bos_token or tokenizer.bos_token_id is None:
+        return ""
+    ids = tokenizer("x", add_special_tokens=True)["input_ids"]
+    return tokenizer.bos_token if ids and ids[0] == tokenizer.bos_token_id else ""
+
+
 def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    bos = bos_text(tokenizer)
     if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return text if text.startswith(bos) else bos + text
     # No template: a plain instruction layout, ending the answer with EOS.
-    text = ""
+    text = bos
     for m in messages:
         if m["role"] == "assistant":
             text += m["content"] + (tokenizer.eos_token or "")
@@ -240,7 +261,7 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else bos_text(tokenizer)
         through = render(tokenizer, messages[: i + 1])
         if not full.startswith(through) or not through.startswith(before):
             raise DataError("the tokenizer's chat template does not render conversations prefix-consistently, so "
@@ -252,8 +273,9 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
 def tokenize_example(tokenizer, example: list[dict[str, str]] | str, max_length: int) -> tuple[dict, bool]:
     """input_ids and labels (prompt positions = -100), truncated to max_length. Returns (encoded, truncated)."""
     if isinstance(example, str):
-        text = example + (tokenizer.eos_token or "")
-        spans = [(0, len(text))]
+        bos = bos_text(tokenizer)
+        text = bos + example + (tokenizer.eos_token or "")
+        spans = [(len(bos), len(text))]
     else:
         text, spans = assistant_spans(tokenizer, example)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -274,20 +296,61 @@ def prompt_and_reference(tokenizer, example: list[dict[str, str]] | str) -> dict
             "reference": example[last]["content"]}
 
 
+# ---------------------------------------------------------------- held out means held out
+
+
+def prompt_text(example: list[dict[str, str]] | str) -> str:
+    """What the model is asked: every turn before the last answer (a text example is all prompt)."""
+    if isinstance(example, str):
+        return example
+    last = max(i for i, m in enumerate(example) if m["role"] == "assistant")
+    return "\n".join(f"{m['role']}: {m['content']}" for m in example[:last])
+
+
+def fold(text: str) -> str:
+    """Case, digit runs and whitespace folded: `Order 123  late` and `order 9 late` are the same prompt."""
+    return re.sub(r"\s+", " ", re.sub(r"\d+", "0", text.casefold())).strip()
+
+
+def held_out(train: list, evaluation: list) -> tuple[list, int, int]:
+    """Eval examples whose prompt is not in training; (kept, removed exactly, removed after folding)."""
+    exact = {prompt_text(ex) for ex in train}
+    folded = {fold(p) for p in exact}
+    kept, removed_exact, removed_folded = [], 0, 0
+    for ex in evaluation:
+        p = prompt_text(ex)
+        if p in exact:
+            removed_exact += 1
+        elif fold(p) in folded:
+            removed_folded += 1
+        else:
+            kept.append(ex)
+    return kept, removed_exact, removed_folded
+
+
 # ---------------------------------------------------------------- the step
 
 
-def data_fingerprint(cfg: FinetuneConfig, tokenizer_dir: Path) -> str:
+def data_key_parts(cfg: FinetuneConfig, tokenizer_dir: Path) -> dict[str, Any]:
+    """Everything the prepared dataset depends on (the README's cache-key table lists the same)."""
     d = cfg.data
     content = []
     for source in filter(None, (d.source, d.eval_source)):
         p = Path(source).expanduser()
-        content.append(hash_bytes_of([p]) if p.is_file() else source)
-    return combine(content, hash_tree(tokenizer_dir, (".json", ".jinja", ".model", ".txt")),
-                   d.model_dump(mode="json"), code_version("dataset", "demo_data"))
+        if p.is_file():
+            content.append(hash_bytes_of([p]))
+        else:  # builtin: the generator's code is in the key; hub: the pinned revision
+            content.append(f"{source}@{d.hub_revision}" if source.startswith("hub:") else source)
+    return {"data": content, "tokenizer": hash_tree(tokenizer_dir, (".json", ".jinja", ".model", ".txt")),
+            "settings": d.model_dump(mode="json"), **step_versions("prepare-dataset")}
+
+
+def data_fingerprint(cfg: FinetuneConfig, tokenizer_dir: Path) -> str:
+    return combine(data_key_parts(cfg, tokenizer_dir))
 
 
 def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> PreparedDataset:
+    """Read, split, deduplicate and tokenize into `out` (an entry directory the caller holds the lock of)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
@@ -308,8 +371,13 @@ def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> Prepar
         if len(examples) - n_eval < 1:
             raise DataError(f"{d.source}: {len(examples)} row(s) is too few to hold {n_eval} out for evaluation")
         train_examples, eval_examples = examples[n_eval:], examples[:n_eval]
+    eval_examples, removed_exact, removed_folded = held_out(train_examples, eval_examples)
+    if not eval_examples:
+        raise DataError(f"{d.eval_source or d.source}: every held-out example's prompt also appears in training "
+                        "(exactly or after folding case, digits and whitespace): nothing is left to evaluate "
+                        "honestly; use a separate data.eval_source")
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=cfg.model.trust_remote_code)
     stats = {"truncated": 0, "dropped": 0, "train_tokens": 0}
 
     def encode(batch: list) -> dict[str, list]:
@@ -332,42 +400,37 @@ def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> Prepar
                         f"{d.max_length}")
     if not evaluation["input_ids"]:
         raise DataError(f"{d.eval_source or d.source}: no evaluation example fits in data.max_length={d.max_length}")
-    fingerprint = data_fingerprint(cfg, tokenizer_dir)
-    with atomic_dir(out) as tmp:
-        pq.write_table(pa.table(train), tmp / "train.parquet")
-        pq.write_table(pa.table(evaluation), tmp / "eval.parquet")
-        with open(tmp / "eval_prompts.jsonl", "w") as f:
-            for ex in eval_examples:
-                pr = prompt_and_reference(tokenizer, ex)
-                if pr:
-                    f.write(json.dumps(pr) + "\n")
-        result = PreparedDataset(path=out, fingerprint=fingerprint, format=fmt,
-                                 train_rows=len(train["input_ids"]), eval_rows=len(evaluation["input_ids"]),
-                                 train_tokens=stats["train_tokens"], truncated=stats["truncated"],
-                                 dropped=stats["dropped"])
-        (tmp / "stats.json").write_text(result.model_dump_json(indent=2))
-        (tmp / "DONE").touch()
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(train), out / "train.parquet")
+    pq.write_table(pa.table(evaluation), out / "eval.parquet")
+    with open(out / "eval_prompts.jsonl", "w") as f:
+        for ex in eval_examples:
+            pr = prompt_and_reference(tokenizer, ex)
+            if pr:
+                f.write(json.dumps(pr) + "\n")
+    result = PreparedDataset(path=out, fingerprint=data_fingerprint(cfg, tokenizer_dir), format=fmt,
+                             train_rows=len(train["input_ids"]), eval_rows=len(evaluation["input_ids"]),
+                             train_tokens=stats["train_tokens"], truncated=stats["truncated"],
+                             dropped=stats["dropped"], eval_removed_exact=removed_exact,
+                             eval_removed_normalized=removed_folded)
+    (out / "stats.json").write_text(result.model_dump_json(indent=2))
     return result
 
 
-def _dataset_key(context, parameters) -> str:
-    return "dataset-" + data_fingerprint(parameters["cfg"], parameters["tokenizer_dir"])
-
-
-@task(name="prepare-dataset", cache_key_fn=_dataset_key, persist_result=True, retries=1, retry_delay_seconds=5,
+@task(name="prepare-dataset", persist_result=False, cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
       retry_condition_fn=retry_unless_user_error, task_run_name="prepare-dataset[{cfg.data.source}]", tags=["data"])
-def prepare_dataset(cfg: FinetuneConfig, tokenizer_dir: Path) -> PreparedDataset:
-    from tasks.launcher import run_logger
-
-    out = cfg.cache_root / "datasets" / data_fingerprint(cfg, tokenizer_dir)
-    if (out / "DONE").is_file():
-        return PreparedDataset.model_validate_json((out / "stats.json").read_text())
-    result = build_dataset(cfg, tokenizer_dir, out)
-    run_logger().info("dataset: %s format, %d train / %d eval rows, %d train tokens, %d truncated, %d dropped -> %s",
-                      result.format, result.train_rows, result.eval_rows, result.train_tokens, result.truncated,
-                      result.dropped, out)
-    return result
-
+def prepare_dataset(cfg: FinetuneConfig, tokenizer_dir: Path):
+    """Reuse the verified dataset entry, or build it under the entry's lock."""
+    entry = Entry(cfg.cache_root, "datasets", data_fingerprint(cfg, tokenizer_dir))
+    result, reused = reuse_or_produce(entry, PreparedDataset, lambda: build_dataset(cfg, tokenizer_dir, entry.path),
+                                      OUTPUTS)
+    run_logger().info("dataset: %s format, %d train / %d eval rows (%d held-out rows removed as copies of training "
+                      "prompts: %d exact, %d after folding case/digits/whitespace), %d train tokens, %d truncated, "
+                      "%d dropped -> %s", result.format, result.train_rows, result.eval_rows,
+                      result.eval_removed_exact + result.eval_removed_normalized, result.eval_removed_exact,
+                      result.eval_removed_normalized, result.train_tokens, result.truncated, result.dropped,
+                      result.path)
+    return step_state(result, reused, entry)
 
 
 def load_split(path: Path, split: str) -> list[dict[str, list[int]]]:

@@ -3,12 +3,17 @@
 Each ticket mixes a problem phrase (which decides the team) with an urgency cue (which decides the priority);
 the answer is `<team>/<priority>`, e.g. `billing/high`. A chat model answers in prose, so the base model scores
 near zero on exact match; a short QLoRA run learns both the mapping and the answer format.
+
+Every generated ticket has a different shape (opener, problem, cue, order), so no two tickets are the same even
+with their numbers, case and whitespace folded: a held-out ticket is never a copy of a training one.
 """
 
 from __future__ import annotations
 
 import random
 from typing import Iterator
+
+from tasks.errors import DataError
 
 SYSTEM = ("Triage the support ticket. Teams: billing, shipping, account, technical. Priorities: low, normal, high. "
           "Reply only team/priority.")
@@ -38,20 +43,29 @@ URGENCY = {
 OPENERS = ["Hi,", "Hello team,", "Good morning,", "Hey,", "Dear support,", ""]
 
 
-def make_example(rng: random.Random) -> dict[str, str]:
-    team = rng.choice(sorted(PROBLEMS))
-    priority = rng.choice(sorted(URGENCY))
-    problem = rng.choice(PROBLEMS[team]).format(n=rng.randint(1000, 99999))
-    parts = [rng.choice(OPENERS), problem[0].upper() + problem[1:] + ".", rng.choice(URGENCY[priority])]
-    if rng.random() < 0.5:
-        parts = [parts[0], parts[2], parts[1]]  # cue before or after the problem
+# (team, problem, priority, cue, opener, cue first): every distinct ticket shape
+SHAPES = [(team, problem, priority, cue, opener, cue_first)
+          for team in sorted(PROBLEMS) for problem in PROBLEMS[team]
+          for priority in sorted(URGENCY) for cue in URGENCY[priority]
+          for opener in OPENERS for cue_first in (False, True)]
+
+
+def make_example(shape: tuple, rng: random.Random) -> dict[str, str]:
+    team, problem, priority, cue, opener, cue_first = shape
+    problem = problem.format(n=rng.randint(1000, 99999))
+    parts = [opener, cue, problem[0].upper() + problem[1:] + "."] if cue_first else \
+        [opener, problem[0].upper() + problem[1:] + ".", cue]
     ticket = " ".join(p for p in parts if p)
     return {"system": SYSTEM, "prompt": INSTRUCTION.format(ticket=ticket), "response": f"{team}/{priority}"}
 
 
 def ticket_triage(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """n tickets of n different shapes (drawn without replacement)."""
+    if n > len(SHAPES):
+        raise DataError(f"builtin:ticket-triage has {len(SHAPES)} distinct tickets; data.builtin_examples={n} would "
+                        "repeat some")
     rng = random.Random(seed)
-    return [make_example(rng) for _ in range(n)]
+    return [make_example(shape, rng) for shape in rng.sample(SHAPES, n)]
 
 
 BUILTIN_DATASETS = {"ticket-triage": ticket_triage}

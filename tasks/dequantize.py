@@ -86,7 +86,8 @@ def copy_fingerprint(base: QuantizedModel, device_type: str) -> str:
     return combine(base.fingerprint, base.compute_dtype, device_type, code_version("dequantize"))
 
 
-def dequantized_copy(base: QuantizedModel, cache_root: Path, device: str = "cpu") -> Path:
+def dequantized_copy(base: QuantizedModel, cache_root: Path, device: str = "cpu",
+                     trust_remote_code: bool = False) -> Path:
     """The evaluation copy of `base` (a 4-bit checkpoint), made on `device` and cached under
     `<cache_root>/dequantized/<fingerprint>`; a base that is not 4-bit is returned as it is.
 
@@ -105,7 +106,8 @@ def dequantized_copy(base: QuantizedModel, cache_root: Path, device: str = "cpu"
 
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(base.path, device_map={"": device},
-                                                 dtype=torch_dtype(base.compute_dtype))
+                                                 dtype=torch_dtype(base.compute_dtype),
+                                                 trust_remote_code=trust_remote_code)
     layers = dequantize_model(model, offload_to_cpu=device_type != "cpu")
     with atomic_dir(final) as tmp:
         model.save_pretrained(tmp)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from tasks.backends import BackendTiming, attention_shape, installed, measured_timings, resolve_attention
@@ -227,7 +228,8 @@ def run_probe(workdir: Path, kernels: dict[str, str] | None = None) -> Environme
     return EnvironmentReport.model_validate(result)
 
 
-@task(name="verify-environment", task_run_name="verify-environment[gpus={cfg.hardware.gpus}]", tags=["setup"])
+@task(name="verify-environment", task_run_name="verify-environment[gpus={cfg.hardware.gpus}]", tags=["setup"],
+      persist_result=False, cache_policy=NO_CACHE)  # no result store: nothing pickled is ever read back
 def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentReport, Plan]:
     """Probe the machine, publish the report, and check the config against it (all problems at once)."""
     env = run_probe(run_dir / "work", cfg.hardware.kernels)

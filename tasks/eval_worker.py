@@ -139,13 +139,13 @@ def auto_batch_tokens(model, device) -> int:
     return int(max(4096, min(2**18 if device.type == "cuda" else 2**14, budget // per_token)))
 
 
-def _load_reference(base: QuantizedModel, adapter_path: Path, plan: Plan, device):
+def _load_reference(base: QuantizedModel, adapter_path: Path, plan: Plan, device, remote: bool):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base.path, device_map={"": str(device)},
                                                  dtype=torch_dtype(plan.compute_dtype),
-                                                 attn_implementation=plan.eval_attn)
+                                                 attn_implementation=plan.eval_attn, trust_remote_code=remote)
     return PeftModel.from_pretrained(model, adapter_path).eval()
 
 
@@ -153,9 +153,10 @@ def _load_copy(cfg: FinetuneConfig, base: QuantizedModel, adapter_path: Path, pl
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    copy = dequantized_copy(base, cfg.cache_root, str(device))
+    copy = dequantized_copy(base, cfg.cache_root, str(device), cfg.model.trust_remote_code)
     dtype = torch_dtype(plan.eval_dtype or plan.compute_dtype)
     model = AutoModelForCausalLM.from_pretrained(copy, dtype=dtype, attn_implementation=plan.eval_attn,
+                                                 trust_remote_code=cfg.model.trust_remote_code,
                                                  **placement(copy, device))
     model = PeftModel.from_pretrained(model, adapter_path).eval()
     if device.type == "cpu" and dtype != torch_dtype(plan.compute_dtype):
@@ -176,13 +177,14 @@ def _evaluate(job: dict) -> dict:
     base = QuantizedModel.model_validate(job["base_model"])
     data_path, adapter_path = Path(job["data"]), Path(job["adapter"])
     device = torch.device("cuda:0" if plan.device == "cuda" and torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(adapter_path)
+    remote = cfg.model.trust_remote_code  # the orchestrator refused it unless the worker's policy allows it
+    tokenizer = AutoTokenizer.from_pretrained(adapter_path, trust_remote_code=remote)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     engine = choose_engine(cfg.eval.engine, plan.eval_attn)  # refuses before anything loads
     devices = {str(device)}
     if engine == "generate":
-        model = _load_reference(base, adapter_path, plan, device)
+        model = _load_reference(base, adapter_path, plan, device, remote)
     else:
         model = _load_copy(cfg, base, adapter_path, plan, device)
         devices = {str(d) for d in (getattr(model.get_base_model(), "hf_device_map", None) or {"": device}).values()}

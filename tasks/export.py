@@ -20,22 +20,24 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from tasks.concurrency import produce_on_devices
+from tasks.concurrency import device_slots
 from tasks.config import FinetuneConfig
 from tasks.dataset import PreparedDataset
 from tasks.environment import Plan
 from tasks.errors import ConfigError, EnvironmentMismatch, retry_unless_user_error
-from tasks.fingerprint import code_version, combine, hash_tree
+from tasks.fingerprint import combine, hash_tree, step_versions
 from tasks.gpus import GpuSelection
 from tasks.launcher import python_module, run_logger, run_worker, worker_main, write_job
 from tasks.quantize import QuantizedModel, torch_dtype
-from tasks.runs import atomic_dir
+from tasks.store import MANIFEST, Entry, reuse_or_produce
 
 RECORD = "export.json"
 HEADROOM = 1.25  # allocator slack, activations of the check, the tokenizer: measured need is below this
@@ -54,8 +56,9 @@ class MergedModel(BaseModel):
     device: str
     seconds: float
 
-    def is_complete(self) -> bool:
-        return (self.path / RECORD).is_file()
+
+class _Skipped(Exception):
+    """The worker found the merged model does not fit this device: nothing to store."""
 
 
 class ExportResult(MergedModel):
@@ -70,7 +73,7 @@ class ExportResult(MergedModel):
 def merge_fingerprint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter: Path,
                       plan: Plan) -> str:
     return combine(base.fingerprint, hash_tree(adapter), data.fingerprint, cfg.export.fingerprint(), plan.device,
-                   plan.compute_dtype, code_version("export", "dequantize"))
+                   plan.compute_dtype, step_versions("merge-adapter"))
 
 
 # ---------------------------------------------------------------- worker side
@@ -174,11 +177,12 @@ def _export(job: dict) -> dict:
     base.hf_device_map = {"": "cpu"}  # offloaded: the adapter must load next to the weights, not on the GPU
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload().to(export_dtype)
     merged.config.use_cache = True
-    with atomic_dir(out) as tmp:
-        merged.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    # The orchestrator holds the entry's lock and commits its manifest; a merge that fails its check keeps nothing.
+    try:
+        merged.save_pretrained(out)
+        tokenizer.save_pretrained(out)
         del merged, base
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp, **load).eval()  # what a user gets
+        reloaded = AutoModelForCausalLM.from_pretrained(out, **load).eval()  # what a user gets
         error, agreement, tokens = compare_logits(reference, _logits(reloaded, tokenizer, prompts, device))
         print(f"merged {layers} dequantized layers + adapter -> {cfg.export.dtype}: logits within {error:.3g} "
               f"(relative to their spread) of base + adapter, top-1 agreement {agreement:.4f} on {tokens} tokens",
@@ -188,38 +192,48 @@ def _export(job: dict) -> dict:
                                f"spread, more than export.max_logit_error={cfg.export.max_logit_error}: not "
                                "exported (export.merge=false skips the step)"], "export")
         record = dict(path=str(out), fingerprint=job["fingerprint"], dtype=cfg.export.dtype, parameters=parameters,
-                      size_mb=round(sum(p.stat().st_size for p in tmp.glob("*.safetensors")) / 2**20, 1),
+                      size_mb=round(sum(p.stat().st_size for p in out.glob("*.safetensors")) / 2**20, 1),
                       logit_error=error, top1_agreement=agreement, check_prompts=len(prompts),
                       check_tokens=tokens, device=str(device), seconds=round(time.perf_counter() - started, 1))
-        (tmp / RECORD).write_text(json.dumps(record, indent=2))
+        (out / RECORD).write_text(json.dumps(record, indent=2))
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     return record
 
 
 # ---------------------------------------------------------------- orchestrator side
 
 
-@task(name="merge-adapter", retries=1, retry_delay_seconds=10, retry_condition_fn=retry_unless_user_error,
-      task_run_name="merge-adapter[{cfg.run.name}: {cfg.export.dtype}]", tags=["export", "device"])
+@task(name="merge-adapter", persist_result=False, cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10,
+      retry_condition_fn=retry_unless_user_error, task_run_name="merge-adapter[{cfg.run.name}: {cfg.export.dtype}]",
+      tags=["export", "device"])
 def merge_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter: Path, plan: Plan,
                   gpus: GpuSelection, required: bool = False) -> MergedModel | None:
-    """The merged checkpoint (made once per base, adapter and export settings), or None when it does not fit
+    """The merged checkpoint (a store entry per base, adapter and export settings), or None when it does not fit
     (`required`: raise instead)."""
-    fingerprint = merge_fingerprint(cfg, data, base, adapter, plan)
-    out = cfg.cache_root / "merged" / fingerprint
-    outcome: dict = {}
+    entry = Entry(cfg.cache_root, "merged", merge_fingerprint(cfg, data, base, adapter, plan))
+    out = entry.path
 
-    def launch() -> None:
-        job = write_job(out.parent / f".{fingerprint}.work", "export", config=cfg.model_dump(mode="json"),
+    def produce() -> MergedModel:
+        job = write_job(out.parent / f".{entry.key}.work", "export", config=cfg.model_dump(mode="json"),
                         plan=plan.model_dump(), base=str(base.path), adapter=str(adapter), data=str(data.path),
-                        out=str(out), fingerprint=fingerprint, required=required)
-        outcome.update(run_worker("export", python_module("tasks.export", job), gpus.env, job.parent))
+                        out=str(out), fingerprint=entry.key, required=required)
+        try:
+            with device_slots(gpus.ids):  # lock order: the entry's lock (held by the caller), then the device
+                outcome = run_worker("export", python_module("tasks.export", job), gpus.env, job.parent)
+        except BaseException:
+            entry.invalidate()  # a merge that failed its check keeps nothing
+            raise
+        if "skipped" in outcome:
+            raise _Skipped(outcome["skipped"])
+        return MergedModel.model_validate_json((out / RECORD).read_text())
 
-    produce_on_devices(out / RECORD, gpus.ids, launch)
-    if "skipped" in outcome:
-        run_logger().info("merged checkpoint skipped: %s (flows/export.py can merge on a bigger machine)",
-                          outcome["skipped"])
+    try:
+        merged, _ = reuse_or_produce(entry, MergedModel, produce, outputs=["."])
+    except _Skipped as skipped:
+        run_logger().info("merged checkpoint skipped: %s (flows/export.py can merge on a bigger machine)", skipped)
         return None
-    merged = MergedModel.model_validate_json((out / RECORD).read_text())
     run_logger().info("merged checkpoint: %s (%s, %.0f MiB), logits within %.3g of base + adapter", merged.path,
                       merged.dtype, merged.size_mb, merged.logit_error)
     return merged
@@ -227,11 +241,9 @@ def merge_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
 
 def link_tree(source: Path, target: Path) -> None:
     """A standalone copy that costs no space: hard links where the file system allows, copies elsewhere."""
-    import shutil
-
     target.mkdir(parents=True)
     for path in source.iterdir():
-        if path.is_file() and path.name != RECORD:
+        if path.is_file() and path.name not in (RECORD, MANIFEST):
             try:
                 os.link(path, target / path.name)
             except OSError:

@@ -6,6 +6,7 @@ The orchestrating process never exports CUDA_VISIBLE_DEVICES; the selection is o
 from __future__ import annotations
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from tasks.errors import EnvironmentMismatch
@@ -104,7 +105,8 @@ def read_inventory() -> list[GpuInfo]:
         pynvml.nvmlShutdown()
 
 
-@task(name="select-gpus", task_run_name="select-gpus[{spec}]", tags=["setup"])
+@task(name="select-gpus", task_run_name="select-gpus[{spec}]", tags=["setup"], persist_result=False,
+      cache_policy=NO_CACHE)  # no result store: nothing pickled is ever read back
 def select_gpus(spec: str, inventory: list[GpuInfo]) -> GpuSelection:
     """Pick GPUs (fresh free-memory readings for `auto:N`) and log the choice."""
     from tasks.launcher import run_logger

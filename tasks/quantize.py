@@ -1,7 +1,8 @@
 """Step 4: load the base model in 4-bit (bitsandbytes NF4, double quantization) and keep that checkpoint.
 
 Quantizing once and saving the 4-bit weights means training ranks, evaluation and retries load ~4x fewer bytes
-and skip re-quantization. Cached on the model's identity, the quantization settings and the compute dtype.
+and skip re-quantization. A store entry keyed on the model's identity (revision included), the quantization
+settings, the compute dtype, the device, library versions and code.
 """
 
 from __future__ import annotations
@@ -10,18 +11,21 @@ import json
 import time
 from pathlib import Path
 
+from typing import Any
+
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from tasks.concurrency import produce_on_devices
+from tasks.concurrency import device_slots
 from tasks.config import FinetuneConfig, QuantizationConfig
 from tasks.environment import Plan
 from tasks.errors import retry_unless_user_error
-from tasks.fingerprint import code_version, combine
+from tasks.fingerprint import combine, step_versions
 from tasks.gpus import GpuSelection
 from tasks.launcher import python_module, run_logger, run_worker, worker_main, write_job
 from tasks.models import materialize_model, model_identity
-from tasks.runs import atomic_dir
+from tasks.store import Entry, StoreError, reuse_or_produce, step_state
 
 
 class QuantizedModel(BaseModel):
@@ -32,9 +36,6 @@ class QuantizedModel(BaseModel):
     memory_footprint_mb: float
     linear4bit_layers: int
     quantize_seconds: float
-
-    def is_complete(self) -> bool:
-        return (self.path / "config.json").is_file()
 
 
 def torch_dtype(name: str):
@@ -59,9 +60,16 @@ def count_4bit_layers(model) -> int:
     return sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
 
 
+def quantize_key_parts(cfg: FinetuneConfig, plan: Plan) -> dict[str, Any]:
+    """Everything the 4-bit checkpoint depends on (the README's cache-key table lists the same)."""
+    return {"model": model_identity(cfg.model.source, cfg.model.revision),
+            "trust_remote_code": cfg.model.trust_remote_code,
+            "quantization": cfg.quantization.model_dump(mode="json"), "compute_dtype": plan.compute_dtype,
+            "device": plan.device, **step_versions("quantize-base-model")}
+
+
 def quantize_fingerprint(cfg: FinetuneConfig, plan: Plan) -> str:
-    return combine(model_identity(cfg.model.source, cfg.model.revision), cfg.quantization.fingerprint(),
-                   plan.compute_dtype, plan.device, code_version("quantize", "models"))
+    return combine(quantize_key_parts(cfg, plan))
 
 
 def _quantize(job: dict) -> dict:
@@ -74,50 +82,50 @@ def _quantize(job: dict) -> dict:
     src = materialize_model(cfg.model.source, cfg.cache_root, cfg.model.revision, cfg.model.trust_remote_code)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
+    remote = cfg.model.trust_remote_code
     model = AutoModelForCausalLM.from_pretrained(
         src, quantization_config=bnb_config(cfg.quantization, compute_dtype), device_map={"": device},
-        dtype=torch_dtype(compute_dtype), revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code,
+        dtype=torch_dtype(compute_dtype), revision=cfg.model.revision, trust_remote_code=remote,
     )
     layers = count_4bit_layers(model)
     first = next(m for m in model.modules() if type(m).__name__ == "Linear4bit")
     print(f"quantized {layers} linear layers to 4-bit {cfg.quantization.quant_type} on {first.weight.device} "
           f"(compute {compute_dtype}); footprint {model.get_memory_footprint() / 2**20:.1f} MiB", flush=True)
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(src, revision=cfg.model.revision).save_pretrained(tmp)
-        result = dict(path=str(out), fingerprint=job["fingerprint"], load_in_4bit=True, compute_dtype=compute_dtype,
-                      memory_footprint_mb=round(model.get_memory_footprint() / 2**20, 2), linear4bit_layers=layers,
-                      quantize_seconds=round(time.perf_counter() - started, 2), device=str(first.weight.device))
-        (tmp / "quantization.json").write_text(json.dumps(result, indent=2))
+    # The orchestrator holds the entry's lock and commits its manifest after this process exits.
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src, revision=cfg.model.revision, trust_remote_code=remote).save_pretrained(out)
+    result = dict(path=str(out), fingerprint=job["fingerprint"], load_in_4bit=True, compute_dtype=compute_dtype,
+                  memory_footprint_mb=round(model.get_memory_footprint() / 2**20, 2), linear4bit_layers=layers,
+                  quantize_seconds=round(time.perf_counter() - started, 2), device=str(first.weight.device))
+    (out / "quantization.json").write_text(json.dumps(result, indent=2))
     return result
 
 
-def _quantize_key(context, parameters) -> str:
-    return "quantized-" + quantize_fingerprint(parameters["cfg"], parameters["plan"])
-
-
-@task(name="quantize-base-model", cache_key_fn=_quantize_key, persist_result=True, retries=1,
-      retry_delay_seconds=10, retry_condition_fn=retry_unless_user_error,
-      task_run_name="quantize-base-model[{cfg.model.source}]", tags=["model", "device"])
-def quantize_base_model(cfg: FinetuneConfig, plan: Plan, gpus: GpuSelection, run_dir: Path) -> QuantizedModel:
-    """Quantize (or reuse) the 4-bit base checkpoint; report its memory footprint."""
+@task(name="quantize-base-model", persist_result=False, cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10,
+      retry_condition_fn=retry_unless_user_error, task_run_name="quantize-base-model[{cfg.model.source}]",
+      tags=["model", "device"])
+def quantize_base_model(cfg: FinetuneConfig, plan: Plan, gpus: GpuSelection, run_dir: Path):
+    """Reuse the verified 4-bit checkpoint, or quantize it under the entry's lock; report its memory footprint."""
     fingerprint = quantize_fingerprint(cfg, plan)
-    out = cfg.cache_root / "quantized" / fingerprint
-    if not cfg.quantization.load_in_4bit:
-        path = materialize_model(cfg.model.source, cfg.cache_root, cfg.model.revision)
+    if not cfg.quantization.load_in_4bit:  # nothing to produce: training loads the plain checkpoint
+        path = materialize_model(cfg.model.source, cfg.cache_root, cfg.model.revision, cfg.model.trust_remote_code)
         return QuantizedModel(path=path, fingerprint=fingerprint, load_in_4bit=False, compute_dtype=plan.compute_dtype,
                               memory_footprint_mb=0.0, linear4bit_layers=0, quantize_seconds=0.0)
+    entry = Entry(cfg.cache_root, "quantized", fingerprint)
 
-    def launch() -> None:
-        job = write_job(run_dir / "work", "quantize", config=cfg.model_dump(mode="json"), out=str(out),
+    def produce() -> QuantizedModel:
+        job = write_job(run_dir / "work", "quantize", config=cfg.model_dump(mode="json"), out=str(entry.path),
                         compute_dtype=plan.compute_dtype, fingerprint=fingerprint)
-        run_worker("quantize", python_module("tasks.quantize", job), gpus.env, run_dir / "work")
+        with device_slots(gpus.ids):  # lock order: the entry's lock (held by the caller), then the device
+            run_worker("quantize", python_module("tasks.quantize", job), gpus.env, run_dir / "work")
+        if not any(entry.path.glob("*.safetensors")):
+            raise StoreError(f"{entry.path}: the quantize worker wrote no weights (*.safetensors)")
+        return QuantizedModel.model_validate_json((entry.path / "quantization.json").read_text())
 
-    produce_on_devices(out / "quantization.json", gpus.ids, launch)
-    result = QuantizedModel.model_validate_json((out / "quantization.json").read_text())
+    result, reused = reuse_or_produce(entry, QuantizedModel, produce, outputs=["."])
     run_logger().info("4-bit base model: %d Linear4bit layers, %.1f MiB -> %s", result.linear4bit_layers,
-                      result.memory_footprint_mb, out)
-    return result
+                      result.memory_footprint_mb, entry.path)
+    return step_state(result, reused, entry)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tasks.config import FinetuneConfig
+from tasks.store import write_atomic
 
 
 def create_run_dir(cfg: FinetuneConfig) -> Path:
@@ -26,7 +27,7 @@ def create_run_dir(cfg: FinetuneConfig) -> Path:
             break
         except FileExistsError:
             continue
-    (run_dir / "config.resolved.yaml").write_text(cfg.to_yaml())
+    write_atomic(run_dir / "config.resolved.yaml", cfg.to_yaml())
     return run_dir
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from tasks.config import FinetuneConfig
 from tasks.environment import Plan
@@ -85,7 +86,7 @@ def _experiment_id(client, name: str) -> str:
 
 
 @task(name="log-to-mlflow", retries=2, retry_delay_seconds=10, task_run_name="log-to-mlflow[{cfg.run.name}]",
-      tags=["tracking"])
+      tags=["tracking"], persist_result=False, cache_policy=NO_CACHE)  # no result store: nothing pickled is read
 def log_to_mlflow(cfg: FinetuneConfig, plan: Plan, result) -> str:
     """Log a finished run (a FinetuneResult) to `tracking.mlflow_uri`; return the MLflow run id."""
     import time

@@ -11,21 +11,36 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from tasks.concurrency import produce_on_devices
+from tasks.concurrency import device_slots
 from tasks.config import FinetuneConfig
 from tasks.dataset import PreparedDataset
 from tasks.distributed import fingerprint_parts, train_command
 from tasks.environment import Plan
 from tasks.errors import UserInputError, retry_unless_user_error
-from tasks.fingerprint import code_version, combine
+from tasks.fingerprint import combine, step_versions
 from tasks.gpus import GpuSelection
 from tasks.launcher import run_logger, run_worker, write_job
 from tasks.planner import ModelShape, TrainingPlan, plan_training
 from tasks.progress import ProgressReporter
 from tasks.quantize import QuantizedModel
+from tasks.store import Entry, reuse_or_produce, step_state
 from tasks.train_worker import last_checkpoint
+
+# train.* settings that cannot change the adapter: bookkeeping, checkpoint cadence (a resume restores the
+# optimizer, scheduler and RNG state, so where it resumes from does not change the result) and retries. Every
+# other train.* setting is part of the adapter's cache key; extend this set only with settings that provably do
+# not change the trained weights.
+TRAIN_KEYS_NOT_IN_CACHE_KEY = frozenset({"logging_steps", "save_steps", "save_total_limit", "retries",
+                                         "retry_delay_seconds"})
+# PEFT writes `all-linear` target modules from a set: with a fixed hash seed adapter_config.json is byte-stable,
+# so one config trains one adapter, byte for byte (and its evaluation has one cache key).
+STABLE_HASHES = {"PYTHONHASHSEED": "0"}
+# What a finished entry holds; checkpoints stay beside it (a later attempt resumes from them) but are not part
+# of the output.
+TRAIN_OUTPUTS = ("adapter", "train_metrics.json")
 
 
 class TrainResult(BaseModel):
@@ -54,16 +69,17 @@ class TrainResult(BaseModel):
     micro_batch_split: int = 1
     layout: str = ""
 
-    def is_complete(self) -> bool:
-        return (self.adapter_path / "adapter_config.json").is_file()
+
+def train_key_parts(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan) -> dict[str, Any]:
+    """Everything the adapter depends on (the README's cache-key table lists the same)."""
+    return {"data": data.fingerprint, "base": base.fingerprint, "lora": cfg.lora.model_dump(mode="json"),
+            "train": cfg.train.model_dump(mode="json", exclude=set(TRAIN_KEYS_NOT_IN_CACHE_KEY)),
+            "ranks": plan.nproc, "device": plan.device, "precision": plan.precision, "attention": plan.train_attn,
+            "launch": fingerprint_parts(cfg, plan), **step_versions("train-adapter")}
 
 
 def train_fingerprint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan) -> str:
-    return combine(data.fingerprint, base.fingerprint, cfg.lora.fingerprint(),
-                   cfg.train.model_dump(mode="json", exclude={"retries", "retry_delay_seconds", "logging_steps"}),
-                   plan.nproc, plan.device, plan.precision, plan.train_attn,
-                   code_version("train", "train_worker", "packing", "attention", "planner", "distributed"),
-                   *fingerprint_parts(cfg, plan))
+    return combine(train_key_parts(cfg, data, base, plan))
 
 
 def row_lengths(data: PreparedDataset) -> list[int]:
@@ -125,35 +141,31 @@ def publish_training_plan(tplan: TrainingPlan) -> None:
 
 
 
-def _train_key(context, parameters) -> str:
-    p = parameters
-    return "adapter-" + train_fingerprint(p["cfg"], p["data"], p["base"], p["plan"])
-
-
-@task(name="train-adapter", cache_key_fn=_train_key, persist_result=True, retry_condition_fn=retry_unless_user_error,
+@task(name="train-adapter", persist_result=False, cache_policy=NO_CACHE, retry_condition_fn=retry_unless_user_error,
       task_run_name="train-adapter[{cfg.run.name}: {cfg.train.max_steps} steps]", tags=["training", "device"])
 def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan, gpus: GpuSelection,
-                  run_dir: Path) -> TrainResult:
-    """Launch torchrun with the selected GPUs; resume from the last checkpoint if an earlier attempt crashed."""
-    fingerprint = train_fingerprint(cfg, data, base, plan)
-    out = cfg.cache_root / "adapters" / fingerprint
-    metrics = out / "train_metrics.json"
+                  run_dir: Path):
+    """Reuse the verified adapter, or train it under the entry's lock (held for the whole attempt, so no other
+    run writes the checkpoints it resumes from); a retry resumes from the last complete checkpoint."""
+    entry = Entry(cfg.cache_root, "adapters", train_fingerprint(cfg, data, base, plan))
+    out = entry.path
     tplan = training_plan(cfg, data, base, plan, gpus)
     run_logger().info("training plan: %s", "; ".join(tplan.reasons))
     publish_training_plan(tplan)
 
-    def launch() -> None:
-        out.mkdir(parents=True, exist_ok=True)
+    def produce() -> TrainResult:
         resume = last_checkpoint(out / "checkpoints")
         if resume is not None:
             run_logger().warning("found %s from an interrupted attempt: resuming from it", resume)
         job = write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
                         base=str(base.path), data=str(data.path), load_in_4bit=base.load_in_4bit,
-                        fingerprint=fingerprint, training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
+                        fingerprint=entry.key, training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
                         upcast_frozen=upcast_setting(cfg))
-        with ProgressReporter(cfg.train.max_steps) as progress:
-            run_worker("train", train_command(cfg, plan, job, fingerprint), gpus.env, out, on_event=progress)
+        with device_slots(gpus.ids), ProgressReporter(cfg.train.max_steps) as progress:  # lock order: the
+            # entry's lock (held by the caller), then the devices
+            run_worker("train", train_command(cfg, plan, job, entry.key), {**gpus.env, **STABLE_HASHES}, out,
+                       on_event=progress)
+        return TrainResult.model_validate_json((out / "train_metrics.json").read_text())
 
-    produce_on_devices(metrics, gpus.ids, launch)
-    return TrainResult.model_validate_json(metrics.read_text())
-
+    result, reused = reuse_or_produce(entry, TrainResult, produce, TRAIN_OUTPUTS, keep=("checkpoints", "train.log"))
+    return step_state(result, reused, entry)

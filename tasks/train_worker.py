@@ -239,7 +239,7 @@ def _train(job: dict) -> dict | None:
                         {"": local_rank} if on_gpu else {"": "cpu"}, upcast)
     use_liger = bool(job.get("liger")) and on_gpu
 
-    tokenizer = AutoTokenizer.from_pretrained(base_path)
+    tokenizer = AutoTokenizer.from_pretrained(base_path, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = load_split(data_path, "train")
     if tplan.packing:
@@ -297,7 +297,16 @@ def _train(job: dict) -> dict | None:
               flush=True)
         if resume is not None:
             print(f"resuming from {resume.name} (optimizer, scheduler and RNG state restored)", flush=True)
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if resume is not None and 0 < steps <= json.loads((resume / "trainer_state.json").read_text())["global_step"]:
+        # Killed after its final checkpoint: resuming would take one step past max_steps, so restore that state.
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+        from transformers import TrainerState
+
+        set_peft_model_state_dict(model, load_file(resume / "adapter_model.safetensors"))
+        trainer.state = TrainerState.load_from_json(str(resume / "trainer_state.json"))
+    else:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     seconds = time.perf_counter() - started
 
     if on_gpu:

@@ -78,9 +78,13 @@ def stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
 
 
 class PrefectStack:
-    """A Prefect server on 127.0.0.1:<free port> with its own home, and a worker for the deployments' pool."""
+    """A Prefect server on 127.0.0.1:<free port> with its own home, and a worker for the deployments' pool.
 
-    def __init__(self, home: Path, logs: Path):
+    The worker runs under its own policy file (tasks/policy.py): the safe defaults, with `allow` (a dict of
+    policy fields) added, so a test lets its runs use its temporary directories and nothing touches $HOME.
+    """
+
+    def __init__(self, home: Path, logs: Path, allow: dict[str, Any] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_url = f"{self.url}/api"
@@ -97,8 +101,20 @@ class PrefectStack:
             PREFECT_WORKER_QUERY_SECONDS="2", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
             PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         )
+        self.policy = str(self.write_policy(logs.parent / "worker-policy.yaml", allow or {}))  # for `make worker`
         self.env = env
         self.procs: list[subprocess.Popen] = []
+
+    @staticmethod
+    def write_policy(path: Path, allow: dict[str, Any]) -> Path:
+        from tasks.policy import Policy
+
+        policy = Policy.safe_defaults(ROOT)
+        for key, value in allow.items():
+            current = getattr(policy, key)
+            setattr(policy, key, current + list(value) if isinstance(current, list) else value)
+        path.write_text(policy.to_yaml())
+        return path
 
     def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
         out = open(self.logs / f"{name}.log", "w")
@@ -132,7 +148,7 @@ class PrefectStack:
         return result
 
     def start_worker(self) -> None:
-        self._spawn(["make", "-o", STAMP, "worker"], "worker")
+        self._spawn(["make", "-o", STAMP, "worker", f"FINETUNE_FLOWS_POLICY={self.policy}"], "worker")
 
     def deployment_run(self, name: str, **params: Any) -> str:
         """`prefect deployment run NAME --param k=<json>`; returns the new flow run's id."""
@@ -192,6 +208,17 @@ class PrefectStack:
             found = client.read_artifacts(
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run_id)])))
         return {a.key: a for a in sorted(found, key=lambda a: a.created)}
+
+    @contextmanager
+    def deployed(self) -> Iterator["PrefectStack"]:
+        """The server up, `make deploy` done and `make worker` running for the block; everything stopped after."""
+        try:
+            self.start_server()
+            self.make("deploy")
+            self.start_worker()
+            yield self
+        finally:
+            self.close()
 
     def close(self) -> None:
         for proc in reversed(self.procs):  # the worker first, then the server

@@ -142,14 +142,16 @@ def test_truncation(tokenizer):
 
 def test_build_dataset_splits_and_saves(tmp_path, tokenizer_dir):
     path = tmp_path / "chat.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"n{i}"}, {"role": "assistant", "content": f"a{i}"}]}
-            for i in range(40)]
+    words = [a + b for a in ("red", "blue", "green", "gold", "grey") for b in ("cat", "dog", "owl", "fox", "elk",
+                                                                           "bee", "ant", "cow")]
+    rows = [{"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": f"a{i}"}]}
+            for i, w in enumerate(words)]  # 40 distinct prompts: none is held out as a copy of a training one
     path.write_text("\n".join(json.dumps(r) for r in rows))
     cfg = cfg_for(path, tmp_path, "data.eval_fraction=0.25")
     out = tmp_path / "prepared"
     result = build_dataset(cfg, tokenizer_dir, out)
     assert (result.format, result.train_rows, result.eval_rows) == ("chat", 30, 10)
-    assert (out / "DONE").is_file() and len(load_split(out, "train")) == 30
+    assert len(load_split(out, "train")) == 30 and result.eval_removed_exact == result.eval_removed_normalized == 0
     prompts = [json.loads(line) for line in (out / "eval_prompts.jsonl").read_text().splitlines()]
     assert len(prompts) == 10 and prompts[0]["prompt"].endswith("<|im_start|>assistant\n")
     assert prompts[0]["reference"].startswith("a")

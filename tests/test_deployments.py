@@ -97,14 +97,11 @@ def test_evaluate_refuses_a_directory_that_is_not_an_adapter(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prefect-stack")
-    s = PrefectStack(home=tmp / "home", logs=tmp / "logs")
-    try:
-        s.start_server()
-        s.make("deploy")
-        s.start_worker()
+    base = tmp_path_factory.getbasetemp()  # the runs below write caches and outputs in temporary directories
+    s = PrefectStack(home=tmp / "home", logs=tmp / "logs",
+                     allow={"output_roots": [base], "cache_roots": [base], "config_roots": [base]})
+    with s.deployed():
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +159,7 @@ def _slot_events(stack, flow_run_id):
     """(time, task run, what) for each device-slot and device-job log line of a flow run."""
     events = []
     for log in stack.logs_of(flow_run_id):
-        m = re.match(r"(waiting for|acquired|releasing) device slot\(s\) (\S+)|starting (quantize|train|evaluate) worker",
+        m = re.match(r"(waiting for|acquired|releasing) device slot\(s\) (\S+)|starting (quantize|train|evaluate|export) worker",
                      log.message)
         if m:
             events.append((log.timestamp, log.task_run_id, m.group(1) or f"start {m.group(3)}", log.message))
@@ -182,8 +179,8 @@ def test_device_slot_makes_the_two_runs_take_turns(stack, two_runs):
                 holds.append((acquired.pop(task_run), when, flow_run_id))
             elif what.startswith("start"):
                 starts.append((when, what.split()[1], flow_run_id))
-    assert len(holds) == 6, "quantization, training and evaluation of both runs each hold the device slot"
-    assert sorted(job for _, job, _ in starts) == sorted(["quantize", "train", "evaluate"] * 2), starts
+    assert len(holds) == 8, "quantization, training, evaluation and the merge of both runs each hold the slot"
+    assert sorted(job for _, job, _ in starts) == sorted(["quantize", "train", "evaluate", "export"] * 2), starts
     holds.sort()
     for (_, end, a), (start, _, b) in zip(holds, holds[1:]):
         assert end <= start, f"device held by {a} until {end} and by {b} from {start}: overlap"

@@ -1,0 +1,223 @@
+"""One test per row of README.md's cache-key table: everything the row lists changes the step's key, everything
+it says is not in the key leaves it alone. Each test also checks that the row names what it tests."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+import tasks.fingerprint as fingerprint
+from tasks.config import DataConfig, EvalConfig, LoraConfig, QuantizationConfig, TrainConfig, load_config
+from tasks.dataset import PreparedDataset, data_fingerprint
+from tasks.environment import Plan
+from tasks.evaluate import eval_fingerprint
+from tasks.models import materialize_tokenizer
+from tasks.quantize import QuantizedModel, quantize_fingerprint
+from tasks.train import TRAIN_KEYS_NOT_IN_CACHE_KEY, train_fingerprint
+
+REPO = Path(__file__).resolve().parent.parent
+PLAN = Plan(device="cpu", gpu_ids=[], nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
+            eval_attn="sdpa")
+NOT_IN_ANY = ["run.name=other", "run.output_dir=/elsewhere", "run.cache_dir=/another/cache", "hardware.gpus=cpu"]
+
+
+def readme_row(step: str) -> str:
+    text = (REPO / "README.md").read_text()
+    (row,) = re.findall(rf"^\| {re.escape(step)} \|.*$", text, flags=re.M)
+    for lib in fingerprint.STEP_LIBRARIES[step]:
+        assert lib.split("-")[0] in row, f"the README row of {step} does not name {lib}"
+    for module in fingerprint.STEP_CODE[step]:
+        assert f"{module}.py" in row, f"the README row of {step} does not name tasks/{module}.py"
+    return row
+
+
+def alternative(model: type[BaseModel], name: str, value: object) -> object:
+    """Another valid value for a config field (so every field, including ones added later, gets tested)."""
+    annotation = model.model_fields[name].annotation
+    options = [a for arg in typing.get_args(annotation) for a in (typing.get_args(arg) or [arg])]
+    literals = [o for o in (typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else
+                            options) if isinstance(o, str) and o != value]
+    if isinstance(value, bool):
+        return not value
+    if bool in options and value == "auto":  # bool | Literal["auto"]
+        return True
+    if literals and typing.get_origin(annotation) is typing.Literal:
+        return literals[0]
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value / 2 if value else 0.5
+    if value is None:
+        return 64 if int in options else "some-value"
+    if isinstance(value, str):
+        return ["q_proj"] if name == "target_modules" else value + "x"
+    raise AssertionError(f"no alternative value for {model.__name__}.{name}={value!r}: add one to this test")
+
+
+def section_overrides(section: str, model: type[BaseModel], cfg, skip: frozenset[str] = frozenset()) -> list[str]:
+    current = getattr(cfg, section)
+    return [f"{section}.{name}={alternative(model, name, getattr(current, name))}"
+            for name in model.model_fields if name not in skip and not isinstance(getattr(current, name), BaseModel)]
+
+
+class Keys:
+    """A step's key before and after one change to the config (everything else fixed)."""
+
+    def __init__(self, compute, base: list[str]):
+        self.compute, self.base = compute, base
+        self.reference = compute(load_config(None, base))
+
+    def changed_by(self, override: str) -> bool:
+        return self.compute(load_config(None, [*self.base, override])) != self.reference
+
+    def assert_in_key(self, overrides: list[str]) -> None:
+        unchanged = [o for o in overrides if not self.changed_by(o)]
+        assert not unchanged, f"these should change the key but do not: {unchanged}"
+
+    def assert_not_in_key(self, overrides: list[str]) -> None:
+        changed = [o for o in overrides if self.changed_by(o)]
+        assert not changed, f"these should leave the key alone but change it: {changed}"
+
+    def assert_library_and_code_in_key(self, monkeypatch, step: str, tmp_path: Path, cfg) -> None:
+        real = fingerprint.package_version
+        for lib in fingerprint.STEP_LIBRARIES[step]:
+            monkeypatch.setattr(fingerprint, "package_version", lambda d, lib=lib: "0.0.1" if d == lib else real(d))
+            assert self.compute(cfg) != self.reference, f"a {lib} upgrade must change the {step} key"
+        monkeypatch.setattr(fingerprint, "package_version", real)
+        for module in fingerprint.STEP_CODE[step]:
+            if not (REPO / "tasks" / f"{module}.py").is_file():
+                continue
+            shutil.rmtree(tmp_path / "tasks", ignore_errors=True)
+            shutil.copytree(REPO / "tasks", tmp_path / "tasks")
+            with open(tmp_path / "tasks" / f"{module}.py", "a") as f:
+                f.write("\n# a code change\n")
+            monkeypatch.setattr(fingerprint, "_PROJECT", tmp_path / "tasks")
+            assert self.compute(cfg) != self.reference, f"a change to tasks/{module}.py must change the {step} key"
+        monkeypatch.setattr(fingerprint, "_PROJECT", REPO / "tasks")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(shared_cache):
+    return materialize_tokenizer("generated:tiny-llama", shared_cache)
+
+
+def dataset(fp: str = "d1") -> PreparedDataset:
+    return PreparedDataset(path=Path("/d"), fingerprint=fp, format="chat", train_rows=1, eval_rows=1, train_tokens=1,
+                           truncated=0, dropped=0)
+
+
+def base_model(fp: str = "b1") -> QuantizedModel:
+    return QuantizedModel(path=Path("/b"), fingerprint=fp, load_in_4bit=True, compute_dtype="float32",
+                          memory_footprint_mb=1.0, linear4bit_layers=1, quantize_seconds=1.0)
+
+
+def test_prepare_dataset_row(tmp_path, tokenizer_dir, monkeypatch):
+    row = readme_row("prepare-dataset")
+    for named in ("`data.source`", "`data.eval_source`", "`data.hub_revision`", "`data.*`", "tokenizer",
+                  "`model.revision`", "transformers", "tokenizers", "datasets", "`tasks/dataset.py`",
+                  "`tasks/demo_data.py`", "`quantization.*`", "`lora.*`", "`train.*`", "`eval.*`", "`run.*`"):
+        assert named in row, named
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text('{"prompt": "a", "response": "b"}\n')
+    held.write_text('{"prompt": "c", "response": "d"}\n')
+    keys = Keys(lambda cfg: data_fingerprint(cfg, tokenizer_dir), [f"data.source={train}", f"data.eval_source={held}"])
+    cfg = load_config(None, keys.base)
+    keys.assert_in_key(section_overrides("data", DataConfig, cfg, skip=frozenset({"source", "eval_source"})))
+    keys.assert_in_key([f"data.source={held}", "data.columns.prompt=question"])
+    train.write_text('{"prompt": "a", "response": "B"}\n')  # the file's bytes, not its name
+    assert data_fingerprint(cfg, tokenizer_dir) != keys.reference
+    train.write_text('{"prompt": "a", "response": "b"}\n')
+    held.write_text('{"prompt": "c", "response": "D"}\n')
+    assert data_fingerprint(cfg, tokenizer_dir) != keys.reference
+    held.write_text('{"prompt": "c", "response": "d"}\n')
+    hub = Keys(lambda cfg: data_fingerprint(cfg, tokenizer_dir), ["data.source=hub:org/tickets", "data.hub_revision=a"])
+    hub.assert_in_key(["data.hub_revision=b"])
+    other_tokenizer = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, other_tokenizer)
+    (other_tokenizer / "tokenizer_config.json").write_text((other_tokenizer / "tokenizer_config.json").read_text()
+                                                           .replace("<|im_end|>", "<|endoftext|>", 1))
+    assert data_fingerprint(cfg, other_tokenizer) != keys.reference  # another tokenizer (model or revision)
+    keys.assert_not_in_key(["model.trust_remote_code=true", "quantization.quant_type=fp4", "lora.r=4",
+                            "train.learning_rate=1e-3", "eval.max_samples=3", *NOT_IN_ANY])
+    keys.assert_library_and_code_in_key(monkeypatch, "prepare-dataset", tmp_path, cfg)
+
+
+def test_quantize_base_model_row(tmp_path, monkeypatch):
+    row = readme_row("quantize-base-model")
+    for named in ("`model.source`", "`model.revision`", "`model.trust_remote_code`", "`quantization.*`",
+                  "compute dtype", "device", "torch", "transformers", "bitsandbytes", "accelerate",
+                  "`tasks/quantize.py`", "`tasks/models.py`", "`data.*`", "`lora.*`", "`train.*`", "`eval.*`",
+                  "`run.*`"):
+        assert named in row, named
+    keys = Keys(lambda cfg: quantize_fingerprint(cfg, PLAN), [])
+    cfg = load_config(None)
+    keys.assert_in_key(section_overrides("quantization", QuantizationConfig, cfg))
+    keys.assert_in_key(["model.source=generated:tiny-llama", "model.trust_remote_code=true"])
+    hub = Keys(lambda cfg: quantize_fingerprint(cfg, PLAN), ["model.source=org/model", f"model.revision={'a' * 40}"])
+    hub.assert_in_key([f"model.revision={'b' * 40}"])
+    local = tmp_path / "ckpt"
+    local.mkdir()
+    (local / "config.json").write_text('{"model_type": "llama"}')
+    (local / "model.safetensors").write_bytes(b"w1")
+    before = quantize_fingerprint(load_config(None, [f"model.source={local}"]), PLAN)
+    (local / "model.safetensors").write_bytes(b"w2")
+    assert quantize_fingerprint(load_config(None, [f"model.source={local}"]), PLAN) != before
+    for plan_change in ({"compute_dtype": "bfloat16"}, {"device": "cuda"}):
+        assert quantize_fingerprint(cfg, PLAN.model_copy(update=plan_change)) != keys.reference, plan_change
+    keys.assert_not_in_key(["data.seed=1", "data.source=/x.jsonl", "lora.r=4", "train.learning_rate=1e-3",
+                            "eval.max_samples=3", *NOT_IN_ANY])
+    keys.assert_library_and_code_in_key(monkeypatch, "quantize-base-model", tmp_path, cfg)
+
+
+def test_train_adapter_row(tmp_path, monkeypatch):
+    row = readme_row("train-adapter")
+    for named in ("dataset", "4-bit base", "`lora.*`", "`train.*`", "`TRAIN_KEYS_NOT_IN_CACHE_KEY`", "ranks",
+                  "device", "precision", "attention", "torch", "transformers", "peft", "bitsandbytes", "accelerate",
+                  "`tasks/train.py`", "`tasks/train_worker.py`", "`eval.*`", "`run.*`",
+                  "`hardware.launcher`", "`hardware.nodes`", "`hardware.gpus_per_node`",
+                  *(f"`train.{k}`" for k in TRAIN_KEYS_NOT_IN_CACHE_KEY)):
+        assert named in row, named
+    keys = Keys(lambda cfg: train_fingerprint(cfg, dataset(), base_model(), PLAN), [])
+    cfg = load_config(None)
+    keys.assert_in_key(section_overrides("lora", LoraConfig, cfg))
+    keys.assert_in_key(section_overrides("train", TrainConfig, cfg, skip=TRAIN_KEYS_NOT_IN_CACHE_KEY))
+    keys.assert_not_in_key([f"train.{k}={alternative(TrainConfig, k, getattr(cfg.train, k))}"
+                            for k in sorted(TRAIN_KEYS_NOT_IN_CACHE_KEY)])
+    assert train_fingerprint(cfg, dataset("d2"), base_model(), PLAN) != keys.reference
+    assert train_fingerprint(cfg, dataset(), base_model("b2"), PLAN) != keys.reference
+    for plan_change in ({"nproc": 2}, {"device": "cuda"}, {"precision": "bf16"}, {"train_attn": "eager"}):
+        assert train_fingerprint(cfg, dataset(), base_model(), PLAN.model_copy(update=plan_change)) != keys.reference
+    assert train_fingerprint(cfg, dataset(), base_model(), PLAN.model_copy(update={"gpu_ids": [3]})) == keys.reference
+    for launch in (["hardware.nodes=2", "hardware.rdzv_endpoint=node1:29400"], ["hardware.launcher=ray"]):
+        assert train_fingerprint(load_config(None, launch), dataset(), base_model(), PLAN) != keys.reference, launch
+    keys.assert_not_in_key(["eval.max_samples=3", "eval.metric=contains", *NOT_IN_ANY])
+    keys.assert_library_and_code_in_key(monkeypatch, "train-adapter", tmp_path, cfg)
+
+
+def test_evaluate_adapter_row(tmp_path, monkeypatch):
+    row = readme_row("evaluate-adapter")
+    for named in ("dataset", "4-bit base", "adapter's files", "`eval.*`", "attention", "device", "torch",
+                  "transformers", "peft", "bitsandbytes", "accelerate", "`tasks/evaluate.py`",
+                  "`tasks/eval_worker.py`", "`tasks/metrics.py`", "`train.*`", "`lora.*`", "`run.*`"):
+        assert named in row, named
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"a1")
+    keys = Keys(lambda cfg: eval_fingerprint(cfg, dataset(), base_model(), adapter, PLAN), [])
+    cfg = load_config(None)
+    keys.assert_in_key(section_overrides("eval", EvalConfig, cfg))
+    assert eval_fingerprint(cfg, dataset("d2"), base_model(), adapter, PLAN) != keys.reference
+    assert eval_fingerprint(cfg, dataset(), base_model("b2"), adapter, PLAN) != keys.reference
+    (adapter / "adapter_model.safetensors").write_bytes(b"a2")
+    assert eval_fingerprint(cfg, dataset(), base_model(), adapter, PLAN) != keys.reference
+    (adapter / "adapter_model.safetensors").write_bytes(b"a1")
+    for plan_change in ({"eval_attn": "eager"}, {"device": "cuda"}):
+        assert eval_fingerprint(cfg, dataset(), base_model(), adapter, PLAN.model_copy(update=plan_change)) \
+            != keys.reference
+    keys.assert_not_in_key(["train.learning_rate=1e-3", "lora.r=4", *NOT_IN_ANY])
+    keys.assert_library_and_code_in_key(monkeypatch, "evaluate-adapter", tmp_path, cfg)

@@ -1,0 +1,125 @@
+"""Faults on the store, injected for real on the tiny pipeline: a truncated completion marker, a 4-bit checkpoint
+that lost its weights, four identical runs at once, and a pickled payload planted in Prefect's result storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, tiny_overrides
+from flows.finetune import finetune
+
+pytestmark = pytest.mark.slow
+
+ALL_STEPS = ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter"]
+
+
+@pytest.fixture(scope="module")
+def first_run(prefect_server, tmp_path_factory):
+    cache, runs = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("runs")
+    return finetune(None, tiny_overrides(cache, runs)), cache, runs
+
+
+def entry_of(path: Path) -> Path:
+    """The store entry (the directory holding manifest.json) a result path lies in."""
+    return next(p for p in [path, *path.parents] if (p / "manifest.json").is_file())
+
+
+def test_truncated_completion_marker_is_recomputed(first_run):
+    result, cache, runs = first_run
+    metrics = Path(result.train.output_dir) / "train_metrics.json"  # a kill or a full disk mid-write
+    metrics.write_text(metrics.read_text()[:50])
+    eval_manifest = entry_of(Path(result.eval.path)) / "manifest.json"
+    eval_manifest.write_text(eval_manifest.read_text()[:30])
+
+    again = finetune(None, tiny_overrides(cache, runs))
+    assert again.cached_steps == ["prepare-dataset", "quantize-base-model"]
+    assert again.train.steps == 6 and again.train.resumed_from_step == 6  # from its last complete checkpoint
+    assert json.loads(metrics.read_text())["steps"] == 6 and json.loads(eval_manifest.read_text())["files"]
+    assert again.eval.adapter.loss == pytest.approx(result.eval.adapter.loss, rel=1e-6)
+    assert finetune(None, tiny_overrides(cache, runs)).cached_steps == ALL_STEPS  # whole again
+    assert latest_task_run_states() == dict.fromkeys(ALL_STEPS, "Cached")  # what the Prefect UI shows
+
+
+def latest_task_run_states() -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        (run,) = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    names = {t.name.split("[")[0]: t.state.name for t in tasks}  # task run names are `<step>[<what>]`
+    return {step: state for step, state in names.items() if step in ALL_STEPS}
+
+
+def test_four_bit_checkpoint_missing_its_weights_is_not_complete(first_run):
+    result, cache, runs = first_run
+    quantized = Path(json.loads((Path(result.train.output_dir) / "train.job.json").read_text())["base"])
+    (quantized / "model.safetensors").unlink()  # config.json is still there
+    again = finetune(None, tiny_overrides(cache, runs))
+    assert "quantize-base-model" not in again.cached_steps and (quantized / "model.safetensors").is_file()
+    assert again.train.steps == 6
+
+
+def test_a_pickled_payload_in_the_result_storage_is_never_executed(first_run, tmp_path):
+    """Prefect's result store holds pickles; the pipeline neither writes nor reads it."""
+    from prefect.results import ResultStore
+
+    result, cache, runs = first_run
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    pickle.loads(pickle.dumps(Payload()))  # the payload is live: unpickling it runs the command
+    assert marker.exists()
+    marker.unlink()
+    storage = Path(os.environ["PREFECT_LOCAL_STORAGE_PATH"])
+    store = ResultStore()
+    prefixes = {"datasets": "dataset-", "quantized": "quantized-", "adapters": "adapter-", "evals": "eval-"}
+    for kind, prefix in prefixes.items():  # the result keys the pipeline's Prefect cache used to look up
+        for entry in (cache / kind).iterdir():
+            store.persist_result_record(store.create_result_record(Payload(), key=prefix + entry.name))
+            (entry / "result.pickle").write_bytes(pickle.dumps(Payload()))
+    planted = {p for p in storage.rglob("*") if p.is_file()}
+    assert len(planted) >= 4
+
+    again = finetune(None, tiny_overrides(cache, runs))
+    assert again.cached_steps == ALL_STEPS
+    fresh = finetune(None, tiny_overrides(cache, runs, **{"train.learning_rate": 2e-3}))  # new train + eval entries
+    assert fresh.cached_steps == ["prepare-dataset", "quantize-base-model"]
+    assert not marker.exists()
+    assert {p for p in storage.rglob("*") if p.is_file()} == planted  # no run wrote a result either
+
+
+def test_four_identical_runs_started_at_once_train_once_and_all_finish(prefect_server, tmp_path):
+    """Four CLI processes on one server and one cache: one producer per entry, the others wait and reuse."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "flows/finetune.py"]
+    for override in tiny_overrides(tmp_path / "cache", tmp_path / "runs", **{"hardware.gpus": "cpu"}):
+        argv += ["--set", override]
+    procs = [subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(4)]
+    outputs = [p.communicate(timeout=1200)[0] for p in procs]
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, out[-4000:]
+    text = "\n".join(outputs)
+    for step in ("quantize", "train", "evaluate"):
+        assert text.count(f"starting {step} worker") == 1, f"{step} ran {text.count(f'starting {step} worker')} times"
+    assert "waiting for adapters/" in text, "no run waited for the training lock: the test proved nothing"
+    run_dirs = [Path(json.loads(out.strip().splitlines()[-1])["run_dir"]) for out in outputs]
+    assert len(set(run_dirs)) == 4
+    adapters = {(d / "adapter" / "adapter_model.safetensors").read_bytes() for d in run_dirs}
+    assert len(adapters) == 1
+    cached = [json.loads((d / "summary.json").read_text())["cached_steps"] for d in run_dirs]
+    assert sorted("train-adapter" in c for c in cached) == [False, True, True, True], cached

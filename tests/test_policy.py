@@ -1,0 +1,169 @@
+"""The worker policy on its own (no server): what it refuses, how paths are resolved, and secrets.
+
+tests/test_policy_deployments.py checks the same refusals through real deployment runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import tasks.policy as policy_mod
+from tasks.config import load_config
+from tasks.policy import (POLICY_ENV, Policy, PolicyError, check_adapter_path, checked_config, config_problems,
+                          current_policy, read_policy, strip_secrets)
+
+
+@pytest.fixture
+def host(tmp_path, monkeypatch):
+    """A worker host layout and its policy file (roots relative to the file, as `make worker` may write them)."""
+    for d in ("data", "runs", "cache", "configs", "outside"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "data" / "ok.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    (tmp_path / "outside" / "secret.jsonl").write_text('{"prompt": "password", "response": "hunter2"}\n')
+    (tmp_path / "configs" / "run.yaml").write_text("run:\n  name: x\n")
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump({"data_roots": ["data"], "output_roots": ["runs"], "cache_roots": ["cache"],
+                                    "config_roots": ["configs"]}))
+    monkeypatch.setenv(POLICY_ENV, str(path))
+    monkeypatch.delenv("FINETUNE_FLOWS_CACHE", raising=False)
+    monkeypatch.setattr(policy_mod._Decision, "secrets_allowed", None)
+    saved = dict(os.environ)  # a refused-secrets run strips them from this process too: put them back after
+    yield tmp_path
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def allowed(host: Path, **extra: str) -> list[str]:
+    base = {"data.source": str(host / "data" / "ok.jsonl"), "run.output_dir": str(host / "runs"),
+            "run.cache_dir": str(host / "cache"), "model.source": "generated:tiny-llama"}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def refused(host: Path, **extra: str) -> str:
+    with pytest.raises(PolicyError) as info:
+        checked_config(None, allowed(host, **extra))
+    message = str(info.value)
+    assert f"refused by the worker policy ({host / 'policy.yaml'})" in message
+    return message
+
+
+def test_a_run_inside_the_policy_is_allowed(host):
+    cfg = checked_config(str(host / "configs" / "run.yaml"), allowed(host))
+    assert cfg.run.name == "x" and not policy_mod.secrets_allowed()
+
+
+def test_remote_code_is_refused_naming_the_key(host):
+    assert "model.trust_remote_code=true runs code from the model repository" in refused(
+        host, **{"model.trust_remote_code": "true"})
+    assert "hardware.attn_implementation=kernels-community/flash-attn loads a Hub kernel" in refused(
+        host, **{"hardware.attn_implementation": "kernels-community/flash-attn"})
+
+
+@pytest.mark.parametrize("key", ["run.output_dir", "run.cache_dir"])
+def test_output_and_cache_paths_must_resolve_inside_their_roots(host, key):
+    root = host / ("runs" if key == "run.output_dir" else "cache")
+    (root / "link").symlink_to(host / "outside")
+    for escape in (host / "outside", f"{root}/../outside", root / "link", root / "link" / "deeper"):
+        message = refused(host, **{key: str(escape)})
+        assert f"{key}={escape} resolves to {host / 'outside'}" in message
+
+
+def test_cache_root_from_the_environment_is_checked_too(host, monkeypatch):
+    monkeypatch.setenv("FINETUNE_FLOWS_CACHE", str(host / "outside"))
+    assert f"FINETUNE_FLOWS_CACHE={host / 'outside'} resolves" in refused(host)
+
+
+def test_data_outside_the_data_roots_is_refused_without_reading_it(host):
+    (host / "data" / "link.jsonl").symlink_to(host / "outside" / "secret.jsonl")
+    secret = host / "outside" / "secret.jsonl"
+    for path in (secret, host / "data" / "link.jsonl", f"{host}/data/../outside/secret.jsonl"):
+        message = refused(host, **{"data.source": str(path)})
+        assert "outside the policy's data_roots" in message and "hunter2" not in message
+    assert "data.eval_source" in refused(host, **{"data.eval_source": str(host / "outside" / "secret.jsonl")})
+    assert "hub_datasets: false" in refused(host, **{"data.source": "hub:org/data"})
+
+
+def test_training_joins_only_the_clusters_and_rendezvous_the_policy_names(host):
+    assert "hardware.ray_address=10.0.0.9:6379 is not among the policy's ray_addresses (auto)" in refused(
+        host, **{"hardware.launcher": "ray", "hardware.ray_address": "10.0.0.9:6379"})
+    assert "hardware.rdzv_endpoint=evil.example:29400 is not among the policy's rdzv_endpoints (none)" in refused(
+        host, **{"hardware.nodes": 2, "hardware.rdzv_endpoint": "evil.example:29400"})
+    assert "tracking.mlflow_uri=http://collector.example:5000 is not among the policy's mlflow_uris" in refused(
+        host, **{"tracking.mlflow_uri": "http://collector.example:5000"})
+    policy = read_policy(host / "policy.yaml").model_copy(update={"rdzv_endpoints": ["node1.cluster:*"]})
+    ok = load_config(None, allowed(host, **{"hardware.nodes": 2, "hardware.rdzv_endpoint": "node1.cluster:29400"}))
+    assert config_problems(policy, ok) == []
+
+
+def test_model_sources_are_patterns_and_local_directories(host):
+    assert "model.source=Qwen/Qwen3-0.6B is not among the policy's model_sources" in refused(
+        host, **{"model.source": "Qwen/Qwen3-0.6B"})
+    assert "model.source" in refused(host, **{"model.source": str(host / "outside")})
+    policy = read_policy(host / "policy.yaml").model_copy(update={"model_sources": ["Qwen/*", str(host / "data")]})
+    ok = load_config(None, allowed(host, **{"model.source": "Qwen/Qwen3-0.6B"}))
+    assert config_problems(policy, ok) == []
+
+
+def test_the_config_file_and_the_adapter_are_checked_before_they_are_read(host):
+    with pytest.raises(PolicyError, match=r"config=/etc/passwd resolves to /etc/passwd, outside"):
+        checked_config("/etc/passwd", allowed(host))
+    with pytest.raises(PolicyError, match="adapter=.* outside the policy's output_roots or cache_roots"):
+        check_adapter_path(host / "outside")
+    check_adapter_path(host / "runs" / "some-run" / "adapter")
+
+
+def test_a_policy_that_does_not_parse_refuses_everything(host):
+    (host / "policy.yaml").write_text("remote_code: true\nallow_everything: true\n")
+    with pytest.raises(PolicyError, match="cannot be used"):
+        checked_config(None, allowed(host))
+
+
+def test_local_runs_without_a_policy_keep_their_freedom(monkeypatch):
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    assert current_policy() is None
+    cfg = checked_config(None, ["model.trust_remote_code=true", "run.output_dir=/tmp/anywhere"])
+    assert cfg.model.trust_remote_code and policy_mod.secrets_allowed()
+
+
+def test_make_worker_writes_the_safe_defaults_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "etc" / "policy.yaml"
+    assert policy_mod.main([str(path)]) == 0
+    written = read_policy(path)
+    assert written == Policy.safe_defaults(tmp_path).model_copy(update={"source": str(path)})
+    assert not written.remote_code and written.data_roots == [tmp_path / "data"]
+    path.write_text(path.read_text().replace("remote_code: false", "remote_code: true"))
+    assert policy_mod.main([str(path)]) == 0 and read_policy(path).remote_code  # the host's edits are kept
+
+
+def test_secret_names():
+    env = {"HF_TOKEN": "x", "HUGGING_FACE_HUB_TOKEN": "x", "PREFECT_API_KEY": "x", "AWS_SECRET_ACCESS_KEY": "x",
+           "PREFECT_API_AUTH_STRING": "x", "DB_PASSWORD": "x", "TOKENIZERS_PARALLELISM": "false", "PATH": "/bin",
+           "CUDA_VISIBLE_DEVICES": "0"}
+    assert set(strip_secrets(env)) == {"TOKENIZERS_PARALLELISM", "PATH", "CUDA_VISIBLE_DEVICES", "HF_TOKEN_PATH"}
+
+
+def test_worker_processes_get_no_secrets_unless_the_policy_trusts_the_source(host, monkeypatch, tmp_path):
+    from tasks.launcher import run_worker
+
+    probe = ("import json, os, sys; open(os.path.join(sys.argv[1], 'env.result.json'), 'w')"
+             ".write(json.dumps(dict(os.environ)))")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    checked_config(None, allowed(host))
+    env = run_worker("env", [sys.executable, "-c", probe, str(tmp_path)], {}, tmp_path)
+    assert "HF_TOKEN" not in env and "hf_secret_value" not in json.dumps(env)
+    assert env["HF_TOKEN_PATH"] == "/dev/null"
+
+    (host / "policy.yaml").write_text(yaml.safe_dump({"data_roots": ["data"], "output_roots": ["runs"],
+                                                      "cache_roots": ["cache"], "secrets_for": ["generated:*"]}))
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    checked_config(None, allowed(host))
+    env = run_worker("env", [sys.executable, "-c", probe, str(tmp_path)], {}, tmp_path)
+    assert env["HF_TOKEN"] == "hf_secret_value"

@@ -1,0 +1,124 @@
+"""The worker policy through real deployment runs: a Prefect server, `make deploy`, `make worker` under a policy,
+and `prefect deployment run` with parameters that ask for more than the policy allows.
+
+Every refused run must fail with one message naming the key and the policy, and write nothing (no run
+directory, no cache entry, nothing outside); the allowed run completes, and the token the worker host holds
+appears in none of its logs or artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks.demo_data import ticket_triage
+from tests.deploy_support import PrefectStack
+
+pytestmark = pytest.mark.slow
+
+SECRET = "hf_policy_test_token_5d1c"
+SECRET_ROW = "hunter2-in-a-private-file"
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory) -> Path:
+    """The worker host's directories: allowed data, runs and cache roots, and a private directory outside."""
+    tmp = tmp_path_factory.mktemp("policy-host")
+    for d in ("data", "runs", "cache", "outside"):
+        (tmp / d).mkdir()
+    rows = ticket_triage(120, seed=5)
+    (tmp / "data" / "tickets.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp / "outside" / "private.jsonl").write_text(json.dumps({"prompt": "password?", "response": SECRET_ROW}) + "\n")
+    (tmp / "runs" / "link").symlink_to(tmp / "outside")
+    (tmp / "cache" / "link").symlink_to(tmp / "outside")
+    (tmp / "data" / "private.jsonl").symlink_to(tmp / "outside" / "private.jsonl")
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def stack(host, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("policy-stack")
+    s = PrefectStack(home=tmp / "home", logs=tmp / "logs", allow={
+        "data_roots": [host / "data"], "output_roots": [host / "runs"], "cache_roots": [host / "cache"]})
+    s.env["HF_TOKEN"] = SECRET  # the worker host holds a Hub token; no run of an untrusted source may see it
+    with s.deployed():
+        yield s
+
+
+def tiny(host: Path, **extra: str) -> list[str]:
+    base = {"model.source": "generated:tiny-llama", "data.source": str(host / "data" / "tickets.jsonl"),
+            "data.format": "instruction", "data.max_length": 128, "train.max_steps": 2, "train.save_steps": 1,
+            "train.per_device_batch_size": 4, "eval.max_samples": 4, "eval.max_new_tokens": 4, "eval.batch_size": 4,
+            "hardware.gpus": "cpu", "run.name": "policy", "run.output_dir": str(host / "runs"),
+            "run.cache_dir": str(host / "cache")}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def refusals(host: Path) -> dict[str, tuple[dict[str, str], str]]:
+    """name -> (overrides, what the message must say)."""
+    runs, cache, data, outside = (host / d for d in ("runs", "cache", "data", "outside"))
+    return {
+        "remote-code": ({"model.trust_remote_code": "true"}, "model.trust_remote_code=true runs code"),
+        "hub-kernel": ({"hardware.attn_implementation": "kernels-community/flash-attn"},
+                       "hardware.attn_implementation=kernels-community/flash-attn loads a Hub kernel"),
+        "output-outside": ({"run.output_dir": str(outside)}, f"run.output_dir={outside} resolves to {outside}"),
+        "output-dotdot": ({"run.output_dir": f"{runs}/../outside"}, f"run.output_dir={runs}/../outside resolves to"),
+        "output-symlink": ({"run.output_dir": str(runs / "link")}, f"run.output_dir={runs / 'link'} resolves to "
+                                                                   f"{outside}"),
+        "cache-dotdot": ({"run.cache_dir": f"{cache}/../outside"}, f"run.cache_dir={cache}/../outside resolves to"),
+        "cache-symlink": ({"run.cache_dir": str(cache / "link")}, f"run.cache_dir={cache / 'link'} resolves to "
+                                                                  f"{outside}"),
+        "data-outside": ({"data.source": str(outside / "private.jsonl")}, "outside the policy's data_roots"),
+        "data-symlink": ({"data.source": str(data / "private.jsonl")},
+                         f"data.source={data / 'private.jsonl'} resolves to {outside / 'private.jsonl'}"),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(stack, host):
+    """Every refused run and the allowed one, triggered together with `prefect deployment run`."""
+    ids = {name: stack.deployment_run("finetune/on-demand", overrides=tiny(host, **overrides))
+           for name, (overrides, _) in refusals(host).items()}
+    ids["allowed"] = stack.deployment_run("finetune/on-demand", overrides=tiny(host))
+    finished = stack.wait_for(list(ids.values()), timeout=900)
+    return {name: (i, finished[i]) for name, i in ids.items()}
+
+
+def messages(stack, flow_run_id: str) -> str:
+    return "\n".join(log.message for log in stack.logs_of(flow_run_id))
+
+
+@pytest.mark.parametrize("name", list(refusals(Path("/h"))))
+def test_a_run_asking_for_more_than_the_policy_is_refused_and_writes_nothing(stack, host, runs, name):
+    flow_run_id, run = runs[name]
+    assert run.state.type.value == "FAILED", (name, run.state.message)
+    text = messages(stack, flow_run_id)
+    policy_file = stack.policy
+    assert f"refused by the worker policy ({policy_file})" in text, text[-3000:]
+    assert refusals(host)[name][1] in text, text[-3000:]
+    assert SECRET_ROW not in text and SECRET not in text
+    assert sorted(p.name for p in (host / "outside").iterdir()) == ["private.jsonl"]  # nothing written outside
+
+
+def test_refused_runs_left_no_run_directory_and_no_cache_entry(host, runs):
+    allowed_dirs = {p.name for p in (host / "runs").iterdir()} - {"link"}
+    assert len(allowed_dirs) == 1 and next(iter(allowed_dirs)).startswith("policy-")  # only the allowed run's
+    assert sorted(p.name for p in (host / "cache").iterdir() if p.name != "link") == [
+        ".locks", "adapters", "datasets", "evals", "merged", "models", "quantized", "tokenizers"]
+
+
+def test_the_allowed_run_completes_and_never_shows_the_hosts_token(stack, host, runs):
+    flow_run_id, run = runs["allowed"]
+    assert run.state.type.value == "COMPLETED", (run.state.message, messages(stack, flow_run_id)[-3000:])
+    text = messages(stack, flow_run_id)
+    assert "worker policy" in text and "run allowed (remote code refused, secrets withheld)" in text
+    assert SECRET not in text
+    for artifact in stack.artifacts_of(flow_run_id).values():
+        assert SECRET not in json.dumps(artifact.data if not isinstance(artifact.data, str) else artifact.data)
+    (run_dir,) = [p for p in (host / "runs").iterdir() if p.name.startswith("policy-")]
+    for f in run_dir.rglob("*"):
+        if f.is_file():
+            assert SECRET.encode() not in f.read_bytes(), f

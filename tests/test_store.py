@@ -1,0 +1,153 @@
+"""The content-addressed store: manifests verified before reuse, one writer per entry, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from tasks.store import MANIFEST, Entry, StoreError, reuse_or_produce, write_atomic
+
+
+class Result(BaseModel):
+    path: Path
+    value: int
+
+
+def produce_into(entry: Entry, value: int = 7, payload: bytes = b"weights") -> Result:
+    (entry.path / "sub").mkdir(parents=True, exist_ok=True)
+    (entry.path / "sub" / "weights.bin").write_bytes(payload)
+    (entry.path / "result.json").write_text(json.dumps({"value": value}))
+    return Result(path=entry.path / "sub" / "weights.bin", value=value)
+
+
+def committed(tmp_path: Path, kind: str = "things", key: str = "k1") -> Entry:
+    entry = Entry(tmp_path / "cache", kind, key)
+    result, reused = reuse_or_produce(entry, Result, lambda: produce_into(entry), outputs=["sub", "result.json"])
+    assert not reused and result.value == 7
+    return entry
+
+
+def test_write_atomic_replaces_whole_files_and_leaves_no_temporaries(tmp_path):
+    target = tmp_path / "d" / "marker.json"
+    write_atomic(target, "first")
+    write_atomic(target, b"second")
+    assert target.read_text() == "second"
+    assert [p.name for p in target.parent.iterdir()] == ["marker.json"]
+
+
+def test_committed_entry_is_reused_with_its_result(tmp_path):
+    entry = committed(tmp_path)
+    manifest = json.loads(entry.manifest_path.read_text())
+    assert set(manifest["files"]) == {"sub/weights.bin", "result.json"}
+    assert manifest["result"]["path"] == "@entry/sub/weights.bin"  # stored relative to the entry
+    calls = []
+    again, reused = reuse_or_produce(entry, Result, lambda: calls.append(1), outputs=["sub"])
+    assert reused and calls == [] and again == Result(path=entry.path / "sub" / "weights.bin", value=7)
+
+
+def test_a_moved_cache_hands_back_paths_under_its_new_location(tmp_path):
+    committed(tmp_path)
+    shutil.move(tmp_path / "cache", tmp_path / "moved")
+    moved = Entry(tmp_path / "moved", "things", "k1")
+    assert moved.load(Result).path == tmp_path / "moved" / "things" / "k1" / "sub" / "weights.bin"
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda e: e.manifest_path.write_text(e.manifest_path.read_text()[:40]), "manifest unreadable or truncated"),
+    (lambda e: e.manifest_path.unlink(), "no manifest"),
+    (lambda e: (e.path / "sub" / "weights.bin").unlink(), "sub/weights.bin is missing"),
+    (lambda e: (e.path / "sub" / "weights.bin").write_bytes(b"weight"),
+     "sub/weights.bin has 6 bytes, the manifest says 7"),
+    (lambda e: (e.path / "sub" / "weights.bin").write_bytes(b"WEIGHTS"), "sub/weights.bin does not match its sha256"),
+], ids=["truncated-manifest", "no-manifest", "missing-file", "truncated-file", "changed-bytes"])
+def test_a_damaged_entry_is_not_trusted_and_is_produced_again(tmp_path, caplog, damage, reason):
+    entry = committed(tmp_path)
+    damage(entry)
+    with caplog.at_level(logging.INFO):
+        assert entry.load(Result) is None
+    assert f"things/k1: not cached: {reason}" in caplog.text
+    result, reused = reuse_or_produce(entry, Result, lambda: produce_into(entry, value=8), outputs=["sub"])
+    assert not reused and result.value == 8 and entry.problem() is None
+
+
+def test_a_step_that_wrote_nothing_is_not_committed(tmp_path):
+    entry = Entry(tmp_path / "cache", "things", "k2")
+    with pytest.raises(StoreError, match="finished without writing sub"):
+        reuse_or_produce(entry, Result, lambda: Result(path=entry.path, value=1), outputs=["sub"])
+    assert not entry.manifest_path.exists()
+
+
+def test_a_new_attempt_keeps_only_what_it_resumes_from(tmp_path):
+    entry = Entry(tmp_path / "cache", "adapters", "k")
+    (entry.path / "checkpoints" / "checkpoint-5").mkdir(parents=True)
+    (entry.path / "adapter").mkdir()
+    (entry.path / "adapter" / "half-written").write_text("x")
+    seen = {}
+
+    def produce() -> Result:
+        seen["kept"] = sorted(p.name for p in entry.path.iterdir())
+        return produce_into(entry)
+
+    reuse_or_produce(entry, Result, produce, outputs=["sub"], keep=("checkpoints",))
+    assert seen["kept"] == ["checkpoints"]
+
+
+# ---------------------------------------------------------------- one writer per entry (real processes)
+
+
+def _hold_lock(cache: str, ready: multiprocessing.Event, release: multiprocessing.Event) -> None:
+    entry = Entry(Path(cache), "things", "k")
+    with entry.lock():
+        ready.set()
+        release.wait(60)
+        produce_into(entry, value=1)
+        entry.commit(Result(path=entry.path / "sub" / "weights.bin", value=1), ["sub"])
+
+
+def test_a_second_writer_waits_then_reuses_what_the_first_committed(tmp_path, caplog):
+    ctx = multiprocessing.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(str(tmp_path / "cache"), ready, release))
+    holder.start()
+    assert ready.wait(60)
+    entry = Entry(tmp_path / "cache", "things", "k")
+    calls = []
+    threading.Timer(1.5, release.set).start()  # the holder finishes while we wait
+    with caplog.at_level(logging.INFO):
+        result, reused = reuse_or_produce(entry, Result, lambda: calls.append(1), outputs=["sub"])
+    holder.join(60)
+    assert reused and calls == [] and result.value == 1
+    assert f"waiting for things/k: another run is producing it (held by pid {holder.pid}" in caplog.text
+    assert "produced by another run while this one waited; reusing it" in caplog.text
+
+
+def _hold_forever(cache: str, ready: multiprocessing.Event) -> None:
+    with Entry(Path(cache), "things", "k").lock():
+        ready.set()
+        time.sleep(600)
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    holder = ctx.Process(target=_hold_forever, args=(str(tmp_path / "cache"), ready))
+    holder.start()
+    assert ready.wait(60)
+    os.kill(holder.pid, signal.SIGKILL)  # no cleanup code runs: the kernel drops the flock
+    holder.join(30)
+    entry = Entry(tmp_path / "cache", "things", "k")
+    started = time.monotonic()
+    result, reused = reuse_or_produce(entry, Result, lambda: produce_into(entry), outputs=["sub"])
+    assert not reused and result.value == 7 and time.monotonic() - started < 30
+    assert (tmp_path / "cache" / ".locks" / "things--k.lock").exists()  # lock files stay; only the flock matters
+    assert MANIFEST in os.listdir(entry.path)
