@@ -22,6 +22,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
 
+from tasks.processes import alive, descendants
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 PREFECT = str(VENV_BIN / "prefect")
@@ -35,33 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below pid (from /proc), including those that started their own session."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
     """Terminate a process started with start_new_session=True, its group, and everything it spawned."""
-    pids = [proc.pid, *_descendants(proc.pid)]
+    pids = [proc.pid, *descendants(proc.pid)]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for send, target in ((os.killpg, proc.pid), *((os.kill, pid) for pid in pids)):
             try:
@@ -69,10 +47,10 @@ def stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + grace
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
             proc.poll()
             time.sleep(0.2)
-        if not any(_alive(pid) for pid in pids):
+        if not any(alive(pid) for pid in pids):
             break
     proc.wait(timeout=grace)
 
