@@ -137,7 +137,8 @@ class TrainConfig(Section):
     save_steps: int = Field(25, ge=1, description="Checkpoint every N steps (a retry resumes from the last one).")
     save_total_limit: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     seed: int = Field(42, description="Seed for adapter init, dropout and data order.")
-    retries: int = Field(2, ge=0, description="Times a crashed training process is restarted (resuming).")
+    retries: int = Field(2, ge=0, le=50, description="Times a crashed training process is restarted (resuming); an "
+                         "out-of-memory attempt is not counted: it is repeated at once with smaller micro-batches.")
     retry_delay_seconds: float = Field(10.0, ge=0, description="First retry delay; doubles each retry.")
 
 
@@ -192,6 +193,11 @@ class HardwareConfig(Section):
         description="ray: the Ray cluster to train on, as `ray.init(address=...)` takes it: `auto` (the cluster "
         "this host has joined with `ray start`) or the head's `host:port`. The flow runs on a node of that "
         "cluster, and the cache directory must be storage every Ray node reaches at the same path.",
+    )
+    stop_grace_seconds: float = Field(
+        25.0, ge=1, le=3600, description="When a run is stopped (cancelled, SIGTERM/SIGINT), seconds its worker "
+        "processes get to finish the step, save a checkpoint and exit before they are killed. Below the 30 s a "
+        "Prefect worker waits before it kills a cancelled flow run."
     )
 
     @field_validator("gpus", mode="before")

@@ -118,18 +118,62 @@ def _any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
+def _collator_tokens(dataloader) -> int:
+    """Real tokens the collator has seen on this rank (both of the project's collators count them)."""
+    return int(getattr(getattr(dataloader, "collate_fn", None), "tokens", 0) or 0)
+
+
+def peak_memory() -> dict[str, float | None]:
+    """This rank's peak memory in MiB: CUDA's max reserved, and the process's whole GPU footprint as NVML sees it
+    (context, NCCL buffers, the allocator's reserve); the max RSS on the CPU."""
+    import resource
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"reserved_mb": None, "process_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    reserved = torch.cuda.max_memory_reserved() / 2**20
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            used = sum(p.usedGpuMemory or 0 for i in range(pynvml.nvmlDeviceGetCount())
+                       for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))
+                       if p.pid == os.getpid())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML, or a PID namespace that hides our PID from it
+        used = 0
+    return {"reserved_mb": reserved, "process_mb": used / 2**20 if used else None}
+
+
 def training_callback(job: dict[str, Any]):
-    """The Trainer callback of every training rank: graceful stop on SIGTERM/SIGINT, and injected faults.
+    """The Trainer callback of every training rank: graceful stop on SIGTERM/SIGINT, progress for the accounting
+    of all attempts (tasks/attempts.py), and injected faults.
 
     Creating it installs the signal handlers (a signal during model loading still ends the process at once: there
     is nothing to save yet)."""
+    import time
+
     from transformers import TrainerCallback
+
+    from tasks.launcher import emit_event
 
     stop = GracefulStop(float(os.environ.get(GRACE_ENV, "60"))).install()
     faults = Faults.from_env(job)
+    rank = int(os.environ.get("RANK", 0))
 
     class StopOnSignal(TrainerCallback):
         stopped_at: int | None = None
+        started = 0.0
+
+        def progress(self, state, dataloader, **extra: Any) -> None:
+            emit_event("progress", rank=rank, step=state.global_step, tokens=_collator_tokens(dataloader),
+                       seconds=round(time.perf_counter() - self.started, 3), **extra)
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
 
         def on_step_begin(self, args, state, control, **kwargs):
             faults.before_step(state.global_step + 1)
@@ -140,7 +184,11 @@ def training_callback(job: dict[str, Any]):
                 control.should_training_stop = True
                 self.stopped_at = state.global_step
 
+        def on_log(self, args, state, control, **kwargs):
+            self.progress(state, kwargs.get("train_dataloader"))
+
         def on_train_end(self, args, state, control, **kwargs):
+            self.progress(state, kwargs.get("train_dataloader"), **peak_memory())
             if self.stopped_at is not None:
                 raise TrainingInterrupted(f"stopped on a signal at step {self.stopped_at} after saving "
                                           f"checkpoint-{self.stopped_at}")

@@ -7,12 +7,14 @@ crash, finds the last checkpoint there and resumes with its optimizer, scheduler
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from prefect import task
 from pydantic import BaseModel
 
+from tasks.attempts import run_attempts, split_limit, whole_run
 from tasks.concurrency import produce_on_devices
 from tasks.config import FinetuneConfig
 from tasks.dataset import PreparedDataset
@@ -38,7 +40,9 @@ class TrainResult(BaseModel):
     loss_curve: list[tuple[int, float]]  # (step, loss)
     first_loss: float
     final_loss: float
-    tokens_per_second: float  # real (non-padding) tokens over all ranks / training wall time of this attempt
+    # tokens, seconds and tokens/s over all attempts (a resumed run repeats the steps after its checkpoint; the
+    # figures count that work too); the last attempt's own figures and its steady state beside them
+    tokens_per_second: float  # real (non-padding) tokens over all ranks / training seconds, all attempts
     train_tokens: int
     train_seconds: float
     peak_memory_mb: float  # max over ranks: CUDA max reserved, or process max RSS on CPU
@@ -53,6 +57,12 @@ class TrainResult(BaseModel):
     training_plan: TrainingPlan | None = None
     micro_batch_split: int = 1
     layout: str = ""
+    last_attempt_tokens: int | None = None
+    last_attempt_seconds: float | None = None
+    last_attempt_tokens_per_second: float | None = None
+    peak_process_memory_mb: float | None = None  # max over ranks: the process's GPU memory as NVML sees it
+    attempts: list[dict[str, Any]] = []  # every attempt: outcome, split, resumed from, steps, tokens, seconds
+    oom_adaptations: list[dict[str, Any]] = []  # each out-of-memory attempt and the split it led to
 
     def is_complete(self) -> bool:
         return (self.adapter_path / "adapter_config.json").is_file()
@@ -142,18 +152,27 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     run_logger().info("training plan: %s", "; ".join(tplan.reasons))
     publish_training_plan(tplan)
 
-    def launch() -> None:
-        out.mkdir(parents=True, exist_ok=True)
+    def resume_point() -> int | None:
         resume = last_checkpoint(out / "checkpoints")
         if resume is not None:
             run_logger().warning("found %s from an interrupted attempt: resuming from it", resume)
+        return int(resume.name.split("-")[-1]) if resume else None
+
+    def attempt(split: int, observe) -> None:
         job = write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
                         base=str(base.path), data=str(data.path), load_in_4bit=base.load_in_4bit,
                         fingerprint=fingerprint, training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
-                        upcast_frozen=upcast_setting(cfg))
+                        upcast_frozen=upcast_setting(cfg), micro_batch_split=split)
         with ProgressReporter(cfg.train.max_steps) as progress:
-            run_worker("train", train_command(cfg, plan, job, fingerprint), gpus.env, out, on_event=progress)
+            run_worker("train", train_command(cfg, plan, job, fingerprint), gpus.env, out,
+                       on_event=lambda event: (observe(event), progress(event)),
+                       stop_grace=cfg.hardware.stop_grace_seconds)
+
+    def launch() -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        limit = split_limit(tplan.packing, tplan.micro_batch_tokens, tplan.micro_batch_rows, max(row_lengths(data)))
+        run_attempts(out, limit, resume_point, attempt)
 
     produce_on_devices(metrics, gpus.ids, launch)
-    return TrainResult.model_validate_json(metrics.read_text())
+    return TrainResult.model_validate(whole_run(out, json.loads(metrics.read_text())))
 
