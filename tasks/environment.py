@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from tasks.config import ATTENTION_BACKENDS, FinetuneConfig
 from tasks.errors import EnvironmentMismatch
-from tasks.gpus import GpuInfo, GpuSelection, choose_gpu_ids, read_inventory, selection_for
+from tasks.gpus import GpuInfo, GpuSelection, read_inventory, selection_for
 from tasks.launcher import python_module, run_logger, run_worker, worker_main, write_job
 
 STACK = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "prefect", "kernels",
@@ -40,6 +40,7 @@ class EnvironmentReport(BaseModel):
     attention: dict[str, str]  # backend -> "available" or the reason it is not
     bitsandbytes_4bit: str  # "available" or why not
     hub_reachable: bool
+    visible_devices: str | None = None  # an inherited CUDA_VISIBLE_DEVICES: only those GPUs may be selected
 
     def usable(self, backend: str) -> bool:
         return self.attention.get(backend) == "available"
@@ -127,7 +128,7 @@ def probe() -> EnvironmentReport:
         python=sys.version.split()[0], platform=platform.platform(), torch=torch.__version__,
         cuda_available=cuda, cuda_version=torch.version.cuda, driver_version=driver, gpus=gpus,
         versions=versions, attention=_attention_backends(gpus, cuda, versions), bitsandbytes_4bit=bnb,
-        hub_reachable=_hub_reachable(),
+        hub_reachable=_hub_reachable(), visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
 
 
@@ -198,10 +199,16 @@ def report_markdown(env: EnvironmentReport, plan: Plan | None = None) -> str:
              f"| CUDA available | {env.cuda_available} (CUDA {env.cuda_version}, driver {env.driver_version}) |",
              f"| bitsandbytes 4-bit | {env.bitsandbytes_4bit} |", f"| Hub reachable | {env.hub_reachable} |"]
     lines += ["", "## GPUs", ""]
+    if env.visible_devices is not None:
+        lines += [f"CUDA_VISIBLE_DEVICES={env.visible_devices} (inherited) limits the selection to the GPUs marked "
+                  "usable; ids are nvidia-smi ids.", ""]
     if env.gpus:
-        lines += ["| id | name | capability | bf16 | memory total (MiB) | free (MiB) |", "|---|---|---|---|---|---|"]
+        lines += ["| id | name | capability | bf16 | memory total (MiB) | free (MiB) | usable |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {g.index} | {g.name} | {g.capability[0]}.{g.capability[1]} | {g.supports_bf16} | "
-                  f"{g.memory_total_mib} | {g.memory_free_mib} |" for g in env.gpus]
+                  f"{g.memory_total_mib} | {g.memory_free_mib} | "
+                  f"{'yes' if g.usable else 'no: MIG mode' if g.mig else 'no: not in CUDA_VISIBLE_DEVICES'} |"
+                  for g in env.gpus]
     else:
         lines.append("none (CPU only)")
     lines += ["", "## Attention backends", "", "| backend | status |", "|---|---|"]
@@ -226,8 +233,8 @@ def run_probe(workdir: Path) -> EnvironmentReport:
 def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentReport, Plan]:
     """Probe the machine, publish the report, and check the config against it (all problems at once)."""
     env = run_probe(run_dir / "work")
-    choose_gpu_ids(cfg.hardware.gpus, env.gpus)  # raises EnvironmentMismatch naming the missing GPU
-    plan = resolve_plan(cfg, env, selection_for(cfg.hardware.gpus, env.gpus))
+    # the one reading of the GPUs: select_gpus computes the workers' selection from this same inventory
+    plan = resolve_plan(cfg, env, selection_for(cfg.hardware.gpus, env.gpus))  # names a missing/unusable GPU
     from tasks.distributed import plan_problems  # imports this module
 
     if problems := plan_problems(cfg, plan):
