@@ -374,7 +374,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as exc:
-            raise ConfigError([f"not valid YAML: {exc}"], source) from None
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError([f"not valid YAML{where}: {getattr(exc, 'problem', None) or exc}"], source) from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(["the top level must be a mapping of sections (model:, data:, ...)"], source)
         raw = loaded or {}

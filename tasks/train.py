@@ -25,6 +25,7 @@ from tasks.fingerprint import code_version, combine
 from tasks.gpus import GpuSelection
 from tasks.launcher import run_logger, run_worker, write_job
 from tasks.planner import ModelShape, TrainingPlan, plan_training
+from tasks.preflight import check_lora_targets
 from tasks.progress import ProgressReporter
 from tasks.quantize import QuantizedModel
 from tasks.train_worker import last_checkpoint
@@ -169,6 +170,7 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
                        stop_grace=cfg.hardware.stop_grace_seconds)
 
     def launch() -> None:
+        check_lora_targets(base.path, cfg.lora.target_modules, cfg.model.trust_remote_code)  # before torchrun
         out.mkdir(parents=True, exist_ok=True)
         limit = split_limit(tplan.packing, tplan.micro_batch_tokens, tplan.micro_batch_rows, max(row_lengths(data)))
         run_attempts(out, limit, resume_point, attempt)
