@@ -278,14 +278,18 @@ def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
     try:
         result = fn(job)
     except Exception as exc:
-        kind = classify(exc)
+        kind = classify(exc, workdir)
         if kind is None:
             traceback.print_exc()
             sys.stdout.flush()
             raise
         if kind in ("oom", "disk_full"):
             traceback.print_exc()  # for the log file; the task reports one line
-        report_failure(workdir, step, kind, str(exc), int(job.get("micro_batch_split", 1)))
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if kind == "disk_full" and "space" not in message:
+            message = f"{type(exc).__name__}: {message}; the filesystem of {workdir} is full"
+        report_failure(workdir, step, kind, str(exc) if kind == "user_error" else message,
+                       int(job.get("micro_batch_split", 1)))
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CODES[kind])
     finally:

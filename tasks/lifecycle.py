@@ -249,8 +249,25 @@ def _chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
-def classify(exc: BaseException) -> str | None:
-    """user_error | oom | disk_full | interrupted, or None for a plain crash (retried)."""
+def no_space_left(directory: Path) -> bool:
+    """Whether writing under directory fails for lack of space, tried for real (some writers, torch.save among
+    them, report a full disk only as a short write)."""
+    probe = directory / f".space-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 2**18)
+            f.flush()
+            os.fsync(f.fileno())
+        return False
+    except OSError as exc:
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def classify(exc: BaseException, workdir: Path | None = None) -> str | None:
+    """user_error | oom | disk_full | interrupted, or None for a plain crash (retried). With workdir, any other
+    error counts as disk_full when that directory's filesystem turns out to be full."""
     from tasks.errors import UserInputError
 
     for e in _chain(exc):
@@ -265,7 +282,7 @@ def classify(exc: BaseException) -> str | None:
         if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left on device" in text \
                 or "os error 28" in text:
             return "disk_full"
-    return None
+    return "disk_full" if workdir is not None and no_space_left(workdir) else None
 
 
 def failure_path(workdir: Path, step: str, kind: str) -> Path:

@@ -9,16 +9,25 @@ API, a server restart, a full disk, concurrent starts) are done to real processe
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from conftest import tiny_overrides
 from flows.finetune import finetune
-from tasks.errors import RepeatedFailure
+from tasks.errors import DiskFull, RepeatedFailure
 from tasks.lifecycle import FAULTS_ENV
+from tasks.processes import ProcessId, read_record, tree
+from tasks.train_worker import checkpoint_is_complete
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def overrides(cache, runs, **extra):
@@ -71,3 +80,173 @@ def test_out_of_memory_that_no_split_avoids_stops_with_one_message(prefect_serve
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"oom_at_step": 1}))
     with pytest.raises(RepeatedFailure, match="ran out of memory even with each micro-batch cut into"):
         finetune(None, overrides(cache, tmp_path / "runs", **{"train.seed": 202, "train.retries": 3}))
+
+
+# ---------------------------------------------------------------- a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.2 MB tmpfs: room for two checkpoints of the tiny model (~470 KB each), not three."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mount)]
+                                           ).returncode != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root (CI runs as root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)])
+
+
+def test_full_disk_while_saving_a_checkpoint_is_one_clear_error_and_loses_nothing(prefect_server, cache, tmp_path,
+                                                                                  small_disk):
+    own = tmp_path / "cache"  # the shared models, dataset and 4-bit base, but adapters on the small disk
+    own.mkdir()
+    for name in ("models", "tokenizers", "datasets", "quantized"):
+        (cache / name).mkdir(parents=True, exist_ok=True)
+        (own / name).symlink_to(cache / name)
+    (own / "adapters").symlink_to(small_disk)
+    earlier = small_disk / "written-before.bin"
+    earlier.write_bytes(os.urandom(2**16))
+    before = earlier.read_bytes()
+    args = overrides(own, tmp_path / "runs", **{"train.seed": 401, "train.retries": 2})
+
+    with pytest.raises(DiskFull) as info:
+        finetune(None, args)
+    message = str(info.value)
+    assert "no space left on the device" in message and "\n" not in message, message
+    (out,) = [p for p in small_disk.iterdir() if p.is_dir()]
+    saved = sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("checkpoint-*")
+                   if checkpoint_is_complete(p))
+    assert saved[:2] == [2, 4], saved  # what was saved before the disk filled up is whole
+    assert earlier.read_bytes() == before
+    attempts = json.loads((out / "attempts.json").read_text())
+    assert len(attempts) == 1, "a full disk was retried"
+
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    result = finetune(None, args)
+    assert result.train.resumed_from_step == saved[-1] and result.train.steps == 8
+
+
+# ---------------------------------------------------------------- the flow process stopped from outside
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **extra}
+
+
+def start_cli(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """`python flows/finetune.py` on the defaults plus `args`, as the in-process `finetune(None, args)` runs it."""
+    defaults = log.parent / "defaults.yaml"
+    defaults.write_text("{}\n")
+    argv = [sys.executable, "flows/finetune.py", "--config", str(defaults), *(x for a in args for x in ("--set", a))]
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def training_in_progress(cache: Path, seed: int, min_step: int, timeout: float = 600) -> tuple[Path, ProcessId]:
+    """The adapter directory of the run trained with `seed`, once its rank 0 runs and has passed min_step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for job in cache.glob("adapters/*/train.job.json"):
+            out = job.parent
+            try:
+                same = json.loads(job.read_text())["config"]["train"]["seed"] == seed
+                attempt = json.loads((out / "attempts.json").read_text())[-1]
+            except (OSError, ValueError, KeyError, IndexError):
+                continue
+            rank = read_record(out / "ranks" / "rank-0.pid")
+            if same and rank and attempt["outcome"] == "running" and (attempt["last_step"] or 0) >= min_step:
+                return out, rank
+        time.sleep(0.2)
+    raise TimeoutError(f"no training with seed {seed} reached step {min_step}")
+
+
+def device_slot(name: str):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name(name)
+
+
+@pytest.fixture
+def cpu_slot(prefect_server):
+    """This host's CPU device limit on the test server, as `make deploy` creates it; removed afterwards."""
+    from prefect.client.orchestration import get_client
+
+    from tasks.concurrency import ensure_device_limits
+
+    (name,) = ensure_device_limits([])
+    yield name
+    with get_client(sync_client=True) as client:
+        client.delete_global_concurrency_limit_by_name(name)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_to_the_flow_process_stops_every_worker_frees_the_slot_and_the_next_run_resumes(
+        cache, tmp_path, cpu_slot, sig):
+    from prefect.settings import PREFECT_API_URL
+
+    seed = 500 + sig
+    args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": 100,
+                                                  "train.seed": seed, "hardware.stop_grace_seconds": 30})
+    proc = start_cli(args, cli_env(PREFECT_API_URL=PREFECT_API_URL.value()), tmp_path / "cli.log")
+    try:
+        out, rank = training_in_progress(cache, seed, min_step=3)
+        members = tree(proc.pid)  # the flow process, torchrun, the rank
+        assert rank in members and len(members) >= 3, members
+        assert device_slot(cpu_slot).active_slots == 1
+        stopped = time.monotonic()
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == 128 + sig, (tmp_path / "cli.log").read_text()[-3000:]
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not [m for m in members if m.is_running()], "a process of the run outlived it"
+    assert took < 30 + 15, f"stopping took {took:.0f} s, more than the grace period"  # 15 s: slack for a loaded box
+    assert device_slot(cpu_slot).active_slots == 0
+    log = (tmp_path / "cli.log").read_text()
+    assert f"stopped by {sig.name}" in log and "Traceback" not in log.split("stopped by")[-1]
+    saved = [p for p in (out / "checkpoints").glob("checkpoint-*") if checkpoint_is_complete(p)]
+    assert len(saved) == 1, "the rank did not save a checkpoint when asked to stop"  # save_steps is 100
+    step = int(saved[0].name.split("-")[1])
+    assert json.loads((out / "attempts.json").read_text())[-1]["outcome"].startswith("stopped (")
+    assert "received SIGTERM: saving a checkpoint" in (out / "train.log").read_text()
+    assert not list((out / "ranks").glob("*.pid")), "a rank left its PID record behind"
+
+    if sig == signal.SIGTERM:  # the next run resumes from that checkpoint and finishes
+        result = finetune(None, args)
+        assert result.train.resumed_from_step == step and result.train.steps == 60
+        first, last = result.train.attempts[0], result.train.attempts[-1]
+        assert first["tokens"] > 0 and result.train.train_tokens == first["tokens"] + last["tokens"] == (
+            result.train.last_attempt_tokens + first["tokens"])
+
+
+# ---------------------------------------------------------------- several CLI runs at once on a fresh Prefect home
+
+
+@pytest.fixture(scope="module")
+def warm_cache(prefect_server, cache, tmp_path_factory):
+    """Every step of the concurrent runs already in the cache, so they contend only for Prefect itself."""
+    args = overrides(cache, tmp_path_factory.mktemp("warm-runs"), **{"train.seed": 601})
+    finetune(None, args)
+    return args
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_cli_runs_started_in_the_same_second_on_a_fresh_prefect_home_all_finish(warm_cache, tmp_path, n):
+    env = {k: v for k, v in cli_env().items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "fresh-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    procs = [start_cli(warm_cache, env, tmp_path / f"cli-{i}.log") for i in range(n)]
+    try:
+        codes = [p.wait(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = [(tmp_path / f"cli-{i}.log").read_text() for i in range(n)]
+    assert codes == [0] * n, "\n\n".join(log[-2500:] for log in logs)
+    assert not any("Timed out while attempting to connect" in log for log in logs)
+    run_dirs = {json.loads(line)["run_dir"] for log in logs for line in log.splitlines() if line.startswith('{"run_dir"')}
+    assert len(run_dirs) == n and all((Path(d) / "summary.json").is_file() for d in run_dirs)
