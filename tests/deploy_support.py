@@ -73,6 +73,8 @@ class PrefectStack:
             # A queued run re-polls a busy device limit at most this often (server default: 30 s).
             PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS="5",
             PREFECT_WORKER_QUERY_SECONDS="2", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+            # as `make server` sets it: device-slot leases survive a server restart
+            PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE="prefect.server.concurrency.lease_storage.filesystem",
             PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         )
         self.env = env
@@ -85,12 +87,12 @@ class PrefectStack:
         self.procs.append(proc)
         return proc
 
-    def start_server(self, timeout: float = 120) -> None:
-        proc = self._spawn([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)], "server")
+    def start_server(self, timeout: float = 120, log: str = "server") -> None:
+        proc = self._spawn([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)], log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited:\n{(self.logs / 'server.log').read_text()[-3000:]}")
+                raise RuntimeError(f"prefect server exited:\n{(self.logs / f'{log}.log').read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as r:
                     if r.status == 200:
@@ -98,6 +100,14 @@ class PrefectStack:
             except OSError:
                 time.sleep(0.5)
         raise TimeoutError(f"prefect server not healthy after {timeout} s")
+
+    def restart_server(self, down_seconds: float) -> None:
+        """Stop the server, leave it down for a while, start it again on the same port and database."""
+        server = self.procs.pop(0)  # the first process started
+        stop(server)
+        time.sleep(down_seconds)
+        self.start_server(log=f"server-{len(self.procs)}")
+        self.procs.insert(0, self.procs.pop())  # close() still stops the server last
 
     def make(self, *targets: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return self.run(["make", "-o", STAMP, *targets], timeout=timeout)

@@ -23,7 +23,7 @@ from conftest import tiny_overrides
 from flows.finetune import finetune
 from tasks.errors import DiskFull, RepeatedFailure
 from tasks.lifecycle import FAULTS_ENV
-from tasks.processes import ProcessId, read_record, tree
+from tasks.processes import ProcessId, parent_of, read_record, tree, wait_gone
 from tasks.train_worker import checkpoint_is_complete
 
 pytestmark = pytest.mark.slow
@@ -250,3 +250,81 @@ def test_cli_runs_started_in_the_same_second_on_a_fresh_prefect_home_all_finish(
     assert not any("Timed out while attempting to connect" in log for log in logs)
     run_dirs = {json.loads(line)["run_dir"] for log in logs for line in log.splitlines() if line.startswith('{"run_dir"')}
     assert len(run_dirs) == n and all((Path(d) / "summary.json").is_file() for d in run_dirs)
+
+
+# ---------------------------------------------------------------- deployments: cancel through the API, server restart
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """A real server, `make deploy` (work pool, this host's device limits, deployments) and `make worker`."""
+    from tests.deploy_support import PrefectStack
+
+    tmp = tmp_path_factory.mktemp("fault-stack")
+    s = PrefectStack(home=tmp / "home", logs=tmp / "logs")
+    try:
+        s.start_server()
+        s.make("deploy")
+        s.start_worker()
+        yield s
+    finally:
+        s.close()
+
+
+def run_processes(rank: ProcessId) -> list[ProcessId]:
+    """The rank, torchrun above it, and the flow-run process above that."""
+    chain = [rank.pid]
+    for _ in range(2):
+        chain.append(parent_of(chain[-1]))
+    return [ident for pid in chain if pid and (ident := ProcessId.of(pid))]
+
+
+def stack_slot(stack) -> int:
+    from tasks.concurrency import slot_names
+
+    with stack.client() as client:
+        return client.read_global_concurrency_limit_by_name(slot_names([])[0]).active_slots
+
+
+def finished_state(stack, run_id: str, timeout: float = 900) -> str:
+    return stack.wait_for([run_id], timeout=timeout)[run_id].state.type.value
+
+
+def test_cancel_through_the_api_stops_every_worker_frees_the_slot_and_the_next_run_resumes(stack, cache, tmp_path):
+    seed = 701
+    args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": 100, "train.seed": seed,
+                                                  "hardware.gpus": "cpu"})
+    run_id = stack.deployment_run("finetune/on-demand", overrides=args)
+    out, rank = training_in_progress(cache, seed, min_step=3)
+    members = run_processes(rank)
+    assert len(members) == 3 and stack_slot(stack) == 1
+    cancelled = time.monotonic()
+    stack.run([str(Path(sys.executable).parent / "prefect"), "flow-run", "cancel", run_id])
+    assert wait_gone(members, 30 + 30), f"processes of the cancelled run still there: {members}"
+    took = time.monotonic() - cancelled
+    assert finished_state(stack, run_id) == "CANCELLED"
+    assert stack_slot(stack) == 0
+    (saved,) = [p for p in (out / "checkpoints").glob("checkpoint-*") if checkpoint_is_complete(p)]
+    step = int(saved.name.split("-")[1])
+    print(f"FAULT cancel via API: all processes gone {took:.1f} s after `prefect flow-run cancel`; checkpoint-{step}")
+
+    again = stack.deployment_run("finetune/on-demand", overrides=args)
+    assert finished_state(stack, again) == "COMPLETED", stack.logs_of(again)[-20:]
+    metrics = json.loads((out / "train_metrics.json").read_text())
+    assert metrics["resumed_from_step"] == step and metrics["steps"] == 60
+
+
+def test_a_server_restart_during_training_the_run_finishes_or_resumes(stack, cache, tmp_path):
+    seed = 702
+    args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": 10, "train.seed": seed,
+                                                  "hardware.gpus": "cpu"})
+    run_id = stack.deployment_run("finetune/on-demand", overrides=args)
+    out, _ = training_in_progress(cache, seed, min_step=3)
+    stack.restart_server(down_seconds=10)
+    state = finished_state(stack, run_id)
+    if state != "COMPLETED":  # the run could not report to the server: the next one must pick up its checkpoints
+        again = stack.deployment_run("finetune/on-demand", overrides=args)
+        assert finished_state(stack, again) == "COMPLETED", stack.logs_of(again)[-20:]
+    metrics = json.loads((out / "train_metrics.json").read_text())
+    assert metrics["steps"] == 60
+    print(f"FAULT server restart: first run {state}; resumed_from_step={metrics['resumed_from_step']}")
