@@ -59,9 +59,9 @@ def adapt_after_oom(out: Path, oom: WorkerOOM, limit: int) -> int:
     split = max(int(adapt.get("split", 1)), oom.split)
     if split >= limit:
         raise RepeatedFailure(
-            f"training ran out of memory even with each micro-batch cut into {split} pieces (the smallest "
-            f"possible: {limit}): {oom.message}. Lower data.max_length or train.micro_batch_tokens, turn on "
-            "train.gradient_checkpointing, or select GPUs with more free memory")
+            f"training ran out of memory even with each micro-batch cut into {split} pieces (at most {limit}: "
+            f"a piece holds at least one row): {oom.message}. Lower data.max_length or train.micro_batch_tokens, "
+            "turn on train.gradient_checkpointing, or select GPUs with more free memory")
     new = min(limit, 2 * split)
     history = adapt.get("history", []) + [{"split": split, "new_split": new, "message": oom.message,
                                            "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}]
