@@ -286,8 +286,8 @@ def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
         if kind in ("oom", "disk_full"):
             traceback.print_exc()  # for the log file; the task reports one line
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if kind == "disk_full" and "space" not in message:
-            message = f"{type(exc).__name__}: {message}; the filesystem of {workdir} is full"
+        if kind == "disk_full" and "space" not in message:  # e.g. torch.save's "unexpected pos": say what it was
+            message = f"{type(exc).__name__} while writing: {message}"
         report_failure(workdir, step, kind, str(exc) if kind == "user_error" else message,
                        int(job.get("micro_batch_split", 1)))
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -85,8 +85,11 @@ class GracefulStop:
         self.requested = False
 
     def install(self) -> GracefulStop:
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
+        try:
+            signal.signal(signal.SIGTERM, self._handle)
+            signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread (a Ray Train worker): Ray owns that process's lifetime
+            pass
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
