@@ -186,6 +186,20 @@ class PrefectStack:
             stop(proc)
 
 
+@contextmanager
+def running_stack(tmp: Path, deploy: bool = True) -> Iterator[PrefectStack]:
+    """A server with its own home under tmp and, with deploy, `make deploy` and `make worker`; all stopped after."""
+    stack = PrefectStack(home=tmp / "home", logs=tmp / "logs")
+    try:
+        stack.start_server()
+        if deploy:
+            stack.make("deploy")
+            stack.start_worker()
+        yield stack
+    finally:
+        stack.close()
+
+
 # ---------------------------------------------------------------- the UI in headless Chromium
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

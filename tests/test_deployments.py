@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy_support import ROOT, PrefectStack, chromium, table_rows, visible_text
+from tests.deploy_support import ROOT, chromium, running_stack, table_rows, visible_text
 
 pytestmark = pytest.mark.slow
 
@@ -96,15 +96,8 @@ def test_evaluate_refuses_a_directory_that_is_not_an_adapter(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("prefect-stack")
-    s = PrefectStack(home=tmp / "home", logs=tmp / "logs")
-    try:
-        s.start_server()
-        s.make("deploy")
-        s.start_worker()
+    with running_stack(tmp_path_factory.mktemp("prefect-stack")) as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

@@ -262,17 +262,10 @@ def test_cli_runs_started_in_the_same_second_on_a_fresh_prefect_home_all_finish(
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """A real server, `make deploy` (work pool, this host's device limits, deployments) and `make worker`."""
-    from tests.deploy_support import PrefectStack
+    from tests.deploy_support import running_stack
 
-    tmp = tmp_path_factory.mktemp("fault-stack")
-    s = PrefectStack(home=tmp / "home", logs=tmp / "logs")
-    try:
-        s.start_server()
-        s.make("deploy")
-        s.start_worker()
+    with running_stack(tmp_path_factory.mktemp("fault-stack")) as s:
         yield s
-    finally:
-        s.close()
 
 
 def run_processes(rank: ProcessId) -> list[ProcessId]:
@@ -294,12 +287,16 @@ def finished_state(stack, run_id: str, timeout: float = 900) -> str:
     return stack.wait_for([run_id], timeout=timeout)[run_id].state.type.value
 
 
-def test_cancel_through_the_api_stops_every_worker_frees_the_slot_and_the_next_run_resumes(stack, cache, tmp_path):
-    seed = 701
-    args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": 100, "train.seed": seed,
-                                                  "hardware.gpus": "cpu"})
+def deployment_training(stack, cache: Path, tmp_path: Path, seed: int, save_steps: int):
+    """An on-demand deployment run of 60 steps, returned once it trains: (overrides, flow run id, output, rank 0)."""
+    args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": save_steps,
+                                                  "train.seed": seed, "hardware.gpus": "cpu"})
     run_id = stack.deployment_run("finetune/on-demand", overrides=args)
-    out, rank = training_in_progress(cache, seed, min_step=3)
+    return (args, run_id, *training_in_progress(cache, seed, min_step=3))
+
+
+def test_cancel_through_the_api_stops_every_worker_frees_the_slot_and_the_next_run_resumes(stack, cache, tmp_path):
+    args, run_id, out, rank = deployment_training(stack, cache, tmp_path, seed=701, save_steps=100)
     members = run_processes(rank)
     assert len(members) == 3 and stack_slot(stack) == 1
     cancelled = time.monotonic()
@@ -319,11 +316,7 @@ def test_cancel_through_the_api_stops_every_worker_frees_the_slot_and_the_next_r
 
 
 def test_a_server_restart_during_training_the_run_finishes_or_resumes(stack, cache, tmp_path):
-    seed = 702
-    args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": 10, "train.seed": seed,
-                                                  "hardware.gpus": "cpu"})
-    run_id = stack.deployment_run("finetune/on-demand", overrides=args)
-    out, _ = training_in_progress(cache, seed, min_step=3)
+    args, run_id, out, _ = deployment_training(stack, cache, tmp_path, seed=702, save_steps=10)
     stack.restart_server(down_seconds=10)
     state = finished_state(stack, run_id)
     if state != "COMPLETED":  # the run could not report to the server: the next one must pick up its checkpoints
