@@ -83,6 +83,9 @@ PREFECT_PORT ?= 4200
 # The work pool that deployments/prefect.yaml names.
 POOL := finetune-gpu
 server pool limits deploy worker: export PREFECT_API_URL ?= http://127.0.0.1:$(PREFECT_PORT)/api
+# Device-slot leases on disk (PREFECT_HOME/concurrency_leases), not in the server's memory: a restarted server still
+# knows who holds a device, so the holder's release and the expiry of a dead holder's lease free the slot.
+server: export PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE ?= prefect.server.concurrency.lease_storage.filesystem
 
 .PHONY: server pool limits deploy worker test-deps
 

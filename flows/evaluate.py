@@ -19,14 +19,14 @@ from tasks.adapters import (  # noqa: E402
     training_config, warn_if_other_base,
 )
 from tasks.caching import run_step  # noqa: E402
-from tasks.config import load_config  # noqa: E402
 from tasks.fingerprint import pin_hub_revisions  # noqa: E402
-from tasks.policy import check_adapter_path, checked_config  # noqa: E402
+from tasks.policy import check_adapter_path  # noqa: E402
 from tasks.dataset import prepare_dataset  # noqa: E402
 from tasks.environment import verify_environment  # noqa: E402
 from tasks.evaluate import evaluate_adapter, publish_eval  # noqa: E402
 from tasks.gpus import select_gpus  # noqa: E402
-from tasks.models import check_model_source, materialize_tokenizer  # noqa: E402
+from tasks.models import materialize_tokenizer  # noqa: E402
+from tasks.preflight import preflight  # noqa: E402
 from tasks.quantize import quantize_base_model  # noqa: E402
 
 
@@ -34,8 +34,7 @@ from tasks.quantize import quantize_base_model  # noqa: E402
 def evaluate(adapter: str, config: str | None = None, overrides: list[str] | None = None) -> EvaluationResult:
     check_adapter_path(adapter)  # the worker's policy first: nothing read or written
     adapter_dir = check_adapter_dir(adapter)  # before anything loads
-    cfg = pin_hub_revisions(checked_config(config or training_config(adapter_dir), overrides))
-    check_model_source(cfg.model.source)
+    cfg = pin_hub_revisions(preflight(config or training_config(adapter_dir), overrides))
     run_dir = create_eval_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir)
@@ -52,7 +51,7 @@ def evaluate(adapter: str, config: str | None = None, overrides: list[str] | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tasks.errors import UserInputError
+    from tasks.cli import run_cli
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", required=True, help="adapter directory (runs/<run>/adapter of a fine-tune run)")
@@ -60,15 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. eval.max_samples=200 (repeatable)")
     args = parser.parse_args(argv)
-    try:  # fail fast, before a Prefect server is even started
-        adapter_dir = check_adapter_dir(args.adapter)
-        check_model_source(load_config(args.config or training_config(adapter_dir), args.overrides).model.source)
-        result = evaluate(args.adapter, args.config, args.overrides)
-    except UserInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(render_evaluation(result))
-    return 0
+    return run_cli(lambda: preflight(args.config or training_config(check_adapter_dir(args.adapter)), args.overrides),
+                   lambda: evaluate(args.adapter, args.config, args.overrides),
+                   lambda result: print(render_evaluation(result)))
 
 
 if __name__ == "__main__":

@@ -16,19 +16,18 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 from prefect import flow  # noqa: E402
 
 from tasks.caching import run_step  # noqa: E402
-from tasks.config import load_config  # noqa: E402
 from tasks.fingerprint import pin_hub_revisions  # noqa: E402
-from tasks.policy import checked_config  # noqa: E402
 from tasks.dataset import prepare_dataset  # noqa: E402
 from tasks.environment import verify_environment  # noqa: E402
 from tasks.evaluate import evaluate_adapter, publish_eval  # noqa: E402
 from tasks.gpus import select_gpus  # noqa: E402
 from tasks.model_card import export_merged_model  # noqa: E402
-from tasks.models import check_model_source, materialize_tokenizer  # noqa: E402
+from tasks.models import materialize_tokenizer  # noqa: E402
+from tasks.preflight import preflight  # noqa: E402
 from tasks.quantize import quantize_base_model  # noqa: E402
 from tasks.runs import create_run_dir, flow_run_name  # noqa: E402
 from tasks.summary import FinetuneResult, finish_run  # noqa: E402
-from tasks.tracking import check_tracking, log_to_mlflow  # noqa: E402
+from tasks.tracking import log_to_mlflow  # noqa: E402
 from tasks.train import train_adapter  # noqa: E402
 
 DEFAULT_CONFIG = "configs/demo.yaml"
@@ -36,9 +35,7 @@ DEFAULT_CONFIG = "configs/demo.yaml"
 
 @flow(name="finetune", flow_run_name=flow_run_name, log_prints=True, persist_result=False)
 def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = None) -> FinetuneResult:
-    cfg = pin_hub_revisions(checked_config(config, overrides))  # the worker's policy first: nothing read or written
-    check_model_source(cfg.model.source)
-    check_tracking(cfg)
+    cfg = pin_hub_revisions(preflight(config, overrides))  # policy, then bad input, before anything is written
     run_dir = create_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir)
@@ -65,8 +62,8 @@ def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tasks.cli import run_cli
     from tasks.config import config_reference
-    from tasks.errors import UserInputError
     from tasks.summary import print_table
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,14 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.help_config:
         print(config_reference())
         return 0
-    try:  # fail fast, before a Prefect server is even started
-        check_model_source(load_config(args.config, args.overrides).model.source)
-        result = finetune(args.config, args.overrides)
-    except UserInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print_table(result)
-    return 0
+    return run_cli(lambda: preflight(args.config, args.overrides), lambda: finetune(args.config, args.overrides),
+                   print_table)
 
 
 if __name__ == "__main__":

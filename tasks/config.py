@@ -147,7 +147,8 @@ class TrainConfig(Section):
     save_steps: int = Field(25, ge=1, description="Checkpoint every N steps (a retry resumes from the last one).")
     save_total_limit: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     seed: int = Field(42, description="Seed for adapter init, dropout and data order.")
-    retries: int = Field(2, ge=0, description="Times a crashed training process is restarted (resuming).")
+    retries: int = Field(2, ge=0, le=50, description="Times a crashed training process is restarted (resuming); an "
+                         "out-of-memory attempt is not counted: it is repeated at once with smaller micro-batches.")
     retry_delay_seconds: float = Field(10.0, ge=0, description="First retry delay; doubles each retry.")
 
 
@@ -211,6 +212,11 @@ class HardwareConfig(Section):
         description="ray: the Ray cluster to train on, as `ray.init(address=...)` takes it: `auto` (the cluster "
         "this host has joined with `ray start`) or the head's `host:port`. The flow runs on a node of that "
         "cluster, and the cache directory must be storage every Ray node reaches at the same path.",
+    )
+    stop_grace_seconds: float = Field(
+        25.0, ge=1, le=3600, description="When a run is stopped (cancelled, SIGTERM/SIGINT), seconds its worker "
+        "processes get to finish the step, save a checkpoint and exit before they are killed. Below the 30 s a "
+        "Prefect worker waits before it kills a cancelled flow run."
     )
 
     @field_validator("gpus", mode="before")
@@ -415,7 +421,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as exc:
-            raise ConfigError([f"not valid YAML: {exc}"], source) from None
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError([f"not valid YAML{where}: {getattr(exc, 'problem', None) or exc}"], source) from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(["the top level must be a mapping of sections (model:, data:, ...)"], source)
         raw = loaded or {}

@@ -25,7 +25,7 @@ from tasks.config import FinetuneConfig
 from tasks.errors import EnvironmentMismatch, WorkerFailed
 from tasks.generation import continuous_supports
 from tasks.kernels import check_kernels
-from tasks.gpus import GpuInfo, GpuSelection, choose_gpu_ids, read_inventory, selection_for
+from tasks.gpus import GpuInfo, GpuSelection, read_inventory, selection_for
 from tasks.launcher import python_module, run_logger, run_worker, worker_main, write_job
 
 STACK = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "prefect", "kernels",
@@ -47,6 +47,7 @@ class EnvironmentReport(BaseModel):
     attention_timings: list[BackendTiming] = []  # the attention probes behind `auto` (tasks/backends.py)
     kernels: dict[str, str] = {}  # hardware.kernels layer -> "loads (...)" or why not (tasks/kernels.py)
     cpu_bf16: bool = False  # native bf16 matrix instructions on this CPU (AVX512-BF16 or AMX)
+    visible_devices: str | None = None  # an inherited CUDA_VISIBLE_DEVICES: only those GPUs may be selected
 
     def usable(self, backend: str) -> bool:
         return self.attention.get(backend) == "available"
@@ -116,6 +117,7 @@ def probe(kernels: dict[str, str] | None = None) -> EnvironmentReport:
         cuda_available=cuda, cuda_version=torch.version.cuda, driver_version=driver, gpus=gpus,
         versions=versions, attention=installed(cuda, versions), bitsandbytes_4bit=bnb,
         hub_reachable=_hub_reachable(), kernels=check_kernels(kernels or {}), cpu_bf16=_cpu_bf16(),
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
 
 
@@ -196,10 +198,16 @@ def report_markdown(env: EnvironmentReport, plan: Plan | None = None) -> str:
              f"| CUDA available | {env.cuda_available} (CUDA {env.cuda_version}, driver {env.driver_version}) |",
              f"| bitsandbytes 4-bit | {env.bitsandbytes_4bit} |", f"| Hub reachable | {env.hub_reachable} |"]
     lines += ["", "## GPUs", ""]
+    if env.visible_devices is not None:
+        lines += [f"CUDA_VISIBLE_DEVICES={env.visible_devices} (inherited) limits the selection to the GPUs marked "
+                  "usable; ids are nvidia-smi ids.", ""]
     if env.gpus:
-        lines += ["| id | name | capability | bf16 | memory total (MiB) | free (MiB) |", "|---|---|---|---|---|---|"]
+        lines += ["| id | name | capability | bf16 | memory total (MiB) | free (MiB) | usable |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {g.index} | {g.name} | {g.capability[0]}.{g.capability[1]} | {g.supports_bf16} | "
-                  f"{g.memory_total_mib} | {g.memory_free_mib} |" for g in env.gpus]
+                  f"{g.memory_total_mib} | {g.memory_free_mib} | "
+                  f"{'yes' if g.usable else 'no: MIG mode' if g.mig else 'no: not in CUDA_VISIBLE_DEVICES'} |"
+                  for g in env.gpus]
     else:
         lines.append("none (CPU only)")
     lines += ["", "## Attention backends", "", "| backend | status |", "|---|---|"]
@@ -236,8 +244,8 @@ def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentR
     for layer, status in env.kernels.items():
         if not status.startswith("loads"):
             run_logger().warning("hardware.kernels %s: %s", layer, status)
-    choose_gpu_ids(cfg.hardware.gpus, env.gpus)  # raises EnvironmentMismatch naming the missing GPU
-    selection = selection_for(cfg.hardware.gpus, env.gpus)
+    # the one reading of the GPUs: select_gpus computes the workers' selection from this same inventory
+    selection = selection_for(cfg.hardware.gpus, env.gpus)  # names a missing or unusable GPU
     plan = resolve_plan(cfg, env, selection)
     if cfg.hardware.attn_implementation == "auto":  # measure the usable backends on these GPUs (cached)
         try:

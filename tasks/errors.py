@@ -1,12 +1,17 @@
-"""Exceptions the pipeline raises on purpose.
+"""Exceptions the pipeline raises on purpose, sorted by whether a retry can help.
 
-`UserInputError` and its subclasses mean "the input is wrong": a retry cannot help, so the flow's retry
-conditions refuse to retry them. Anything else (a crashed training process, a flaky disk) may be retried.
+`NotRetryable` (bad input, a full disk, an out-of-memory that no smaller micro-batch avoids, a failure that
+repeats unchanged) is reported as one message and never retried. Anything else (a crashed or killed worker, a
+flaky disk) may be retried, and a training retry resumes from the last checkpoint.
 """
 
 
-class UserInputError(Exception):
-    """Bad configuration, data or model source. Never retried."""
+class NotRetryable(Exception):
+    """A retry cannot succeed until someone changes something: reported as one message."""
+
+
+class UserInputError(NotRetryable):
+    """Bad configuration, data or model source (CLI exit status 2)."""
 
 
 class ConfigError(UserInputError):
@@ -31,8 +36,16 @@ class EnvironmentMismatch(ConfigError):
     """The configuration asks for something this machine cannot do."""
 
 
+class DiskFull(NotRetryable):
+    """No space left where a step writes; nothing written earlier is lost, and a rerun resumes."""
+
+
+class RepeatedFailure(NotRetryable):
+    """The worker failed the same way twice with nothing changed in between (or nothing left to change)."""
+
+
 class WorkerFailed(RuntimeError):
-    """A GPU/CPU worker subprocess exited non-zero. May be retried (crash, OOM, preemption)."""
+    """A GPU/CPU worker subprocess exited non-zero. May be retried (crash, preemption)."""
 
     def __init__(self, step: str, returncode: int, tail: str):
         self.step = step
@@ -41,12 +54,25 @@ class WorkerFailed(RuntimeError):
         super().__init__(f"{step} worker exited with code {returncode}; last output:\n{tail}")
 
 
+class WorkerOOM(WorkerFailed):
+    """The worker ran out of device memory with `split` micro-batch pieces; a smaller micro-batch may fit."""
+
+    def __init__(self, step: str, returncode: int, tail: str, split: int, message: str):
+        super().__init__(step, returncode, tail)
+        self.split = split
+        self.message = message
+
+
+class WorkerInterrupted(WorkerFailed):
+    """The worker stopped on SIGTERM after saving a checkpoint; a retry resumes from it."""
+
+
 def is_retryable(exc: BaseException | None) -> bool:
-    return exc is not None and not isinstance(exc, UserInputError)
+    return exc is not None and not isinstance(exc, NotRetryable)
 
 
 def retry_unless_user_error(task, task_run, state) -> bool:
-    """Prefect `retry_condition_fn`: retry crashes and I/O errors, never bad input."""
+    """Prefect `retry_condition_fn`: retry crashes and I/O errors, never what a retry cannot fix."""
     try:
         state.result()
     except Exception as exc:

@@ -1,8 +1,14 @@
 """Run heavy work in a child process with its own GPU environment, streaming its output into the Prefect logs.
 
-Workers are `python -m tasks.<module> <job.json>` (or torchrun of the same). They write their result as JSON; a
-worker that finds bad input exits with USER_ERROR_EXIT after writing the message, so the task raises a
-non-retryable error instead of a crash that would be retried.
+Workers are `python -m tasks.<module> <job.json>` (or torchrun of the same). They write their result as JSON. A
+worker's lifetime is tied to the task that started it:
+- the child runs in its own session (a signal to its group reaches torchrun and the evaluator alike) and gets
+  SIGTERM from the kernel if this process dies, even by SIGKILL (PR_SET_PDEATHSIG; tasks/lifecycle.py);
+- whatever ends the wait here (cancellation, SIGTERM/SIGINT, an error) first sends SIGTERM to the worker's process
+  tree (training ranks save a checkpoint and stop), then SIGKILL after `stop_grace` seconds, and returns only
+  when every process of it is gone: the caller's device slot is released after the device is free.
+A worker reports why it failed (bad input, out of memory, disk full, interrupted) as an event line and a file, so
+the task can stop, adapt or retry instead of treating every exit code alike (torchrun exits 1 for all of them).
 """
 
 from __future__ import annotations
@@ -10,18 +16,27 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
-from tasks.errors import UserInputError, WorkerFailed
+from tasks.errors import DiskFull, UserInputError, WorkerFailed, WorkerInterrupted, WorkerOOM
+from tasks.lifecycle import (
+    EXIT_CODES, GRACE_ENV, LAUNCHER_ENV, classify, die_with_launcher, failure_path, preexec_die_with, report_failure,
+)
+from tasks.processes import ProcessId, remove_record_if_mine, signal_tree, tree, wait_gone, write_record
 
-USER_ERROR_EXIT = 3
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EVENT_PREFIX = "@@event "
+DEFAULT_STOP_GRACE = 25.0  # below the 30 s a Prefect worker waits after SIGTERM before it SIGKILLs a flow run
+FAILURE_ORDER = ("user_error", "disk_full", "oom", "interrupted")  # the most telling cause first
 
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
@@ -43,8 +58,121 @@ def worker_env(gpu_env: dict[str, str]) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("TQDM_DISABLE", "1")  # progress comes back as events, not bars
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' own bars (read when it is imported)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
     return env
+
+
+class WorkerOutput:
+    """The worker's merged stdout/stderr: read by a thread, handled here (log file, Prefect log, events)."""
+
+    def __init__(self, step: str, log_path: Path, logger, on_event: Callable[[dict[str, Any]], None] | None):
+        self.step, self.logger, self.on_event = step, logger, on_event
+        self.tail: deque[str] = deque(maxlen=40)
+        self.failures: list[dict[str, Any]] = []
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.log = self._open(log_path)
+
+    def _open(self, path: Path):
+        try:
+            return open(path, "a")
+        except OSError as exc:
+            self.logger.warning("cannot write %s (%s): the worker's output goes to the Prefect log only", path, exc)
+            return None
+
+    def start(self, stream) -> None:
+        def read() -> None:
+            for line in stream:
+                self.lines.put(line.rstrip("\n"))
+            self.lines.put(None)
+
+        threading.Thread(target=read, daemon=True, name=f"{self.step}-output").start()
+
+    def follow(self, on_tick: Callable[[], None]) -> None:
+        """Handle lines until the worker closes its output; on_tick runs every couple of seconds."""
+        last = time.monotonic()
+        while True:
+            try:
+                line = self.lines.get(timeout=1.0)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                return
+            if line:
+                self.handle(line, live=True)
+            if time.monotonic() - last > 2.0:
+                on_tick()
+                last = time.monotonic()
+
+    def drain(self) -> None:
+        """Handle what is queued without waiting (while the worker shuts down; it must never block on a full pipe)."""
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return
+            if line is not None:
+                self.handle(line, live=False)
+
+    def handle(self, line: str, live: bool) -> None:
+        if self.log is not None:
+            try:
+                self.log.write(line + "\n")
+                self.log.flush()
+            except OSError as exc:  # e.g. the disk filled up: keep streaming, stop writing the file
+                self.logger.warning("stopped writing the %s log: %s", self.step, exc)
+                self.log = None
+        at = line.find(EVENT_PREFIX)  # Ray prefixes its workers' lines with "(RayTrainWorker pid=...) "
+        if at >= 0:
+            try:
+                event = json.loads(line[at + len(EVENT_PREFIX):])
+            except ValueError:
+                return
+            if event.get("kind") == "failure":
+                self.failures.append(event)
+            elif live and self.on_event is not None:
+                try:
+                    self.on_event(event)
+                except Exception as exc:  # a monitoring hiccup must not kill training
+                    self.logger.warning("could not handle event %r: %s", line, exc)
+            return
+        self.tail.append(line)
+        if line.strip():
+            self.logger.info("[%s] %s", self.step, line)
+
+    def close(self) -> None:
+        if self.log is not None:
+            try:
+                self.log.close()
+            except OSError:
+                pass
+
+
+def stop_worker(proc: subprocess.Popen, members: set[ProcessId], grace: float, output: WorkerOutput, logger) -> None:
+    """SIGTERM to the worker's group and every process below it, SIGKILL after `grace` s; wait until all are gone."""
+    current = set(tree(proc.pid)) if proc.poll() is None else set()  # an exited PID may be reused already
+    members = {m for m in members | current if m.is_running()}
+    if not members:
+        return
+    logger.warning("stopping the %s worker (pids %s): SIGTERM now, SIGKILL after %.0f s", output.step,
+                   sorted(m.pid for m in members), grace)
+    started = time.monotonic()
+    try:
+        signal_tree(list(members), proc.pid, signal.SIGTERM)
+        wait_gone(list(members), grace, while_waiting=output.drain)
+    finally:  # also after a second Ctrl-C during the grace period
+        survivors = [m for m in members if m.is_running()]
+        if survivors:
+            logger.warning("the %s worker did not stop within %.0f s: SIGKILL to pids %s", output.step, grace,
+                           sorted(m.pid for m in survivors))
+            signal_tree(survivors, proc.pid, signal.SIGKILL)
+            wait_gone(survivors, 30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (D state): nothing more a signal can do
+            logger.error("the %s worker (pid %s) survives SIGKILL", output.step, proc.pid)
+        output.drain()
+        logger.info("the %s worker stopped %.1f s after the first signal", output.step, time.monotonic() - started)
 
 
 def run_worker(
@@ -53,44 +181,74 @@ def run_worker(
     gpu_env: dict[str, str],
     workdir: Path,
     on_event: Callable[[dict[str, Any]], None] | None = None,
+    stop_grace: float = DEFAULT_STOP_GRACE,
 ) -> dict[str, Any]:
     """Start the worker, stream its lines to the logs (and `workdir/<step>.log`), return its result JSON."""
     logger = run_logger()
     workdir.mkdir(parents=True, exist_ok=True)
-    result_path, error_path = workdir / f"{step}.result.json", workdir / f"{step}.error.json"
-    for p in (result_path, error_path):
+    result_path = workdir / f"{step}.result.json"
+    for p in (result_path, *(failure_path(workdir, step, k) for k in ("oom", "user_error"))):
         p.unlink(missing_ok=True)
-    tail: deque[str] = deque(maxlen=40)
+    env = worker_env(gpu_env)
+    env[LAUNCHER_ENV] = str(ProcessId.of(os.getpid()))
+    env[GRACE_ENV] = str(stop_grace)
     logger.info("starting %s worker: %s (CUDA_VISIBLE_DEVICES=%r)", step, " ".join(argv),
                 gpu_env.get("CUDA_VISIBLE_DEVICES"))
-    with open(workdir / f"{step}.log", "a") as log:
-        proc = subprocess.Popen(
-            argv, env=worker_env(gpu_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            bufsize=1, cwd=os.getcwd(), start_new_session=True,  # own process group: a kill takes all ranks
-        )
-        (workdir / f"{step}.pid").write_text(str(proc.pid))
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            log.write(line + "\n")
-            at = line.find(EVENT_PREFIX)  # Ray prefixes its workers' lines with "(RayTrainWorker pid=...) "
-            if at >= 0:
-                if on_event is not None:
-                    try:
-                        on_event(json.loads(line[at + len(EVENT_PREFIX):]))
-                    except Exception as exc:  # a monitoring hiccup must not kill training
-                        logger.warning("could not handle event %r: %s", line, exc)
-                continue
-            tail.append(line)
-            if line.strip():
-                logger.info("[%s] %s", step, line)
+    output = WorkerOutput(step, workdir / f"{step}.log", logger, on_event)
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=os.getcwd(),
+        start_new_session=True, preexec_fn=preexec_die_with(os.getpid()),
+    )
+    members: set[ProcessId] = set()
+
+    def remember_members() -> None:  # ranks that outlive a dead torchrun are found through this list
+        members.update(tree(proc.pid))
+
+    record = workdir / f"{step}.pid"
+    try:
+        output.start(proc.stdout)
+        remember_members()
+        _write_quietly(record, proc.pid)
+        output.follow(remember_members)
         rc = proc.wait()
-    (workdir / f"{step}.pid").unlink(missing_ok=True)
-    if rc == USER_ERROR_EXIT and error_path.exists():
-        raise UserInputError(json.loads(error_path.read_text())["message"])
-    if rc != 0:
-        raise WorkerFailed(step, rc, "\n".join(tail))
+    finally:
+        stop_worker(proc, members, stop_grace, output, logger)
+        output.close()
+        record.unlink(missing_ok=True)
+    _raise_failure(step, rc, workdir, output)
     return json.loads(result_path.read_text())
+
+
+def _write_quietly(record: Path, pid: int) -> None:
+    try:
+        write_record(record, pid)  # lets an operator (or a test) find the worker
+    except OSError:
+        pass
+
+
+def _raise_failure(step: str, rc: int, workdir: Path, output: WorkerOutput) -> None:
+    reported = list(output.failures)
+    for kind in ("oom", "user_error"):
+        try:
+            reported.append(json.loads(failure_path(workdir, step, kind).read_text()))
+        except (OSError, ValueError):
+            pass
+    if not reported and rc == 0:
+        return
+    tail = "\n".join(output.tail)
+    known = [f for f in reported if f.get("cause") in FAILURE_ORDER]
+    if not known:
+        raise WorkerFailed(step, rc, tail)
+    failure = min(known, key=lambda f: FAILURE_ORDER.index(f["cause"]))
+    kind, message = failure["cause"], failure.get("message", "")
+    if kind == "user_error":
+        raise UserInputError(message)
+    if kind == "disk_full":
+        raise DiskFull(f"{step}: no space left on the device under {workdir} ({message}). Nothing written earlier "
+                       "was lost: free some space and run again (training resumes from its last checkpoint).")
+    if kind == "oom":
+        raise WorkerOOM(step, rc, tail, int(failure.get("split", 1)), message)
+    raise WorkerInterrupted(step, rc, tail)
 
 
 def python_module(module: str, job_path: Path) -> list[str]:
@@ -109,35 +267,50 @@ def emit_event(kind: str, **data: Any) -> None:
     print(EVENT_PREFIX + json.dumps({"kind": kind, **data}), flush=True)
 
 
-def _quiet_progress_bars() -> None:
-    """Progress bars are noise in Prefect logs; workers report progress as events instead."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-
-
 def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
-    """Entry point body for `python -m tasks.X job.json`: run fn(job), write its result or the user error."""
+    """Entry point body for `python -m tasks.X job.json`: run fn(job), write its result or report why it failed."""
+    die_with_launcher()
     job = json.loads(Path(sys.argv[1]).read_text())
-    _quiet_progress_bars()
     workdir = Path(job["workdir"])
     step = job["step"]
+    rank_record = None
+    if "RANK" in os.environ:  # a torchrun rank: findable by operators and tests while it runs, gone after
+        rank_record = workdir / "ranks" / f"rank-{os.environ['RANK']}.pid"
+        rank_record.parent.mkdir(parents=True, exist_ok=True)
+        write_record(rank_record)
     try:
         result = fn(job)
-    except UserInputError as exc:
-        (workdir / f"{step}.error.json").write_text(json.dumps({"message": str(exc)}))
+    except Exception as exc:
+        kind = classify(exc, workdir)
+        if kind is None:
+            traceback.print_exc()
+            sys.stdout.flush()
+            raise
+        if kind in ("oom", "disk_full"):
+            traceback.print_exc()  # for the log file; the task reports one line
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if kind == "disk_full" and "space" not in message:  # e.g. torch.save's "unexpected pos": say what it was
+            message = f"{type(exc).__name__} while writing: {message}"
+        report_failure(workdir, step, kind, str(exc) if kind == "user_error" else message,
+                       int(job.get("micro_batch_split", 1)))
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(USER_ERROR_EXIT)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        raise
+        sys.exit(EXIT_CODES[kind])
+    finally:
+        if rank_record is not None:
+            remove_record_if_mine(rank_record)
     if result is not None:
-        (workdir / f"{step}.result.json").write_text(json.dumps(result, indent=2))
+        tmp = workdir / f".{step}.result.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, workdir / f"{step}.result.json")
 
 
 def write_job(workdir: Path, step: str, **fields: Any) -> Path:
-    workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / f"{step}.job.json"
-    path.write_text(json.dumps({"step": step, "workdir": str(workdir), **fields}, indent=2, default=str))
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"step": step, "workdir": str(workdir), **fields}, indent=2, default=str))
+    except OSError as exc:
+        if classify(exc) == "disk_full":
+            raise DiskFull(f"{step}: cannot write {path}: {exc}") from None
+        raise
     return path

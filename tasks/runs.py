@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tasks.config import FinetuneConfig
+from tasks.errors import UserInputError
 from tasks.store import write_atomic
 
 
@@ -19,7 +20,11 @@ def create_run_dir(cfg: FinetuneConfig) -> Path:
     """Create `<output_dir>/<name>-<UTC time>-<random>`; never reuses or overwrites an existing directory."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     root = Path(cfg.run.output_dir).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError, PermissionError) as exc:
+        raise UserInputError(f"run.output_dir={cfg.run.output_dir}: cannot create a run directory there "
+                             f"({exc.strerror}: {exc.filename})") from None
     while True:
         run_dir = root / f"{cfg.run.name}-{stamp}-{secrets.token_hex(3)}"
         try:

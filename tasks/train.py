@@ -7,6 +7,7 @@ crash, finds the last checkpoint there and resumes with its optimizer, scheduler
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
+from tasks.attempts import run_attempts, split_limit, whole_run
 from tasks.concurrency import device_slots
 from tasks.config import FinetuneConfig
 from tasks.dataset import PreparedDataset
@@ -24,6 +26,7 @@ from tasks.fingerprint import combine, step_versions
 from tasks.gpus import GpuSelection
 from tasks.launcher import run_logger, run_worker, write_job
 from tasks.planner import ModelShape, TrainingPlan, plan_training
+from tasks.preflight import check_lora_targets
 from tasks.progress import ProgressReporter
 from tasks.quantize import QuantizedModel
 from tasks.store import Entry, reuse_or_produce, step_state
@@ -53,7 +56,9 @@ class TrainResult(BaseModel):
     loss_curve: list[tuple[int, float]]  # (step, loss)
     first_loss: float
     final_loss: float
-    tokens_per_second: float  # real (non-padding) tokens over all ranks / training wall time of this attempt
+    # tokens, seconds and tokens/s over all attempts (a resumed run repeats the steps after its checkpoint; the
+    # figures count that work too); the last attempt's own figures and its steady state beside them
+    tokens_per_second: float  # real (non-padding) tokens over all ranks / training seconds, all attempts
     train_tokens: int
     train_seconds: float
     peak_memory_mb: float  # max over ranks: CUDA max reserved, or process max RSS on CPU
@@ -68,6 +73,12 @@ class TrainResult(BaseModel):
     training_plan: TrainingPlan | None = None
     micro_batch_split: int = 1
     layout: str = ""
+    last_attempt_tokens: int | None = None
+    last_attempt_seconds: float | None = None
+    last_attempt_tokens_per_second: float | None = None
+    peak_process_memory_mb: float | None = None  # max over ranks: the process's GPU memory as NVML sees it
+    attempts: list[dict[str, Any]] = []  # every attempt: outcome, split, resumed from, steps, tokens, seconds
+    oom_adaptations: list[dict[str, Any]] = []  # each out-of-memory attempt and the split it led to
 
 
 def train_key_parts(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan) -> dict[str, Any]:
@@ -153,19 +164,28 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     run_logger().info("training plan: %s", "; ".join(tplan.reasons))
     publish_training_plan(tplan)
 
-    def produce() -> TrainResult:
+    def resume_point() -> int | None:
         resume = last_checkpoint(out / "checkpoints")
         if resume is not None:
             run_logger().warning("found %s from an interrupted attempt: resuming from it", resume)
+        return int(resume.name.split("-")[-1]) if resume else None
+
+    def attempt(split: int, observe) -> None:
         job = write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
                         base=str(base.path), data=str(data.path), load_in_4bit=base.load_in_4bit,
                         fingerprint=entry.key, training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
-                        upcast_frozen=upcast_setting(cfg))
-        with device_slots(gpus.ids), ProgressReporter(cfg.train.max_steps) as progress:  # lock order: the
-            # entry's lock (held by the caller), then the devices
+                        upcast_frozen=upcast_setting(cfg), micro_batch_split=split)
+        with ProgressReporter(cfg.train.max_steps) as progress:
             run_worker("train", train_command(cfg, plan, job, entry.key), {**gpus.env, **STABLE_HASHES}, out,
-                       on_event=progress)
-        return TrainResult.model_validate_json((out / "train_metrics.json").read_text())
+                       on_event=lambda event: (observe(event), progress(event)),
+                       stop_grace=cfg.hardware.stop_grace_seconds)
+
+    def produce() -> TrainResult:
+        check_lora_targets(base.path, cfg.lora.target_modules, cfg.model.trust_remote_code)  # before torchrun
+        limit = split_limit(tplan.packing, tplan.micro_batch_tokens, tplan.micro_batch_rows, max(row_lengths(data)))
+        with device_slots(gpus.ids):  # lock order: the entry's lock (held by the caller), then the devices
+            run_attempts(out, limit, resume_point, attempt)
+        return TrainResult.model_validate(whole_run(out, json.loads((out / "train_metrics.json").read_text())))
 
     result, reused = reuse_or_produce(entry, TrainResult, produce, TRAIN_OUTPUTS, keep=("checkpoints", "train.log"))
     return step_state(result, reused, entry)

@@ -23,6 +23,7 @@ from tasks.dataset import IGNORE_INDEX, load_split
 from tasks.distributed import checkpoint_step, gather, is_writer, prepare_ranks
 from tasks.environment import Plan
 from tasks.launcher import emit_event, worker_main
+from tasks.lifecycle import training_callback
 from tasks.planner import TrainingPlan
 from tasks.quantize import torch_dtype
 
@@ -225,8 +226,6 @@ def _train(job: dict) -> dict | None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    (out / "ranks").mkdir(parents=True, exist_ok=True)
-    (out / "ranks" / f"rank-{rank}.pid").write_text(str(os.getpid()))  # lets an operator (or a test) find a rank
     on_gpu = plan.device == "cuda" and torch.cuda.is_available()
     if plan.device == "cuda" and not on_gpu:
         raise RuntimeError("the plan selects GPUs but this worker sees no CUDA device")
@@ -280,6 +279,7 @@ def _train(job: dict) -> dict | None:
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(out / "tensorboard"))  # copied into each run's directory
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collator)
     trainer.remove_callback(PrinterCallback)  # progress goes out as events; its raw dicts would duplicate them
+    trainer.add_callback(training_callback(job))  # graceful stop on SIGTERM, progress of this attempt, test faults
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -319,7 +319,6 @@ def _train(job: dict) -> dict | None:
               "device_name": torch.cuda.get_device_name() if on_gpu else "cpu", "steps": clock.steps}
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
     records = gather(record)  # bookkeeping through the process group, not a shared directory
-    (out / "ranks" / f"rank-{rank}.pid").unlink(missing_ok=True)
     if not is_writer(shared):
         return None
 

@@ -64,16 +64,17 @@ def kill_rank_after_checkpoint(adapters: Path, rank: int, checkpoint_glob: str, 
     """In a thread: SIGKILL training rank `rank` (its pid file `adapters/*/ranks/rank-N.pid`) as soon as its output
     directory holds a file matching `checkpoint_glob`, as the OOM killer or a preemption would. Returns the thread
     and a dict that gets the killed pid."""
+    from tasks.processes import read_record
+
     killed: dict[str, int] = {}
 
     def killer() -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not killed:
             for pid_file in adapters.glob(f"*/ranks/rank-{rank}.pid") if adapters.exists() else []:
-                if list(pid_file.parent.parent.glob(checkpoint_glob)):
-                    pid = int(pid_file.read_text())
-                    os.kill(pid, signal.SIGKILL)
-                    killed["pid"] = pid
+                proc = read_record(pid_file)  # None for a stale record: never signal a reused PID
+                if proc and list(pid_file.parent.parent.glob(checkpoint_glob)) and proc.signal(signal.SIGKILL):
+                    killed["pid"] = proc.pid
                     return
             time.sleep(0.05)
 

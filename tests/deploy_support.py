@@ -22,6 +22,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
 
+from tasks.processes import alive, descendants
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 PREFECT = str(VENV_BIN / "prefect")
@@ -35,33 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below pid (from /proc), including those that started their own session."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
     """Terminate a process started with start_new_session=True, its group, and everything it spawned."""
-    pids = [proc.pid, *_descendants(proc.pid)]
+    pids = [proc.pid, *descendants(proc.pid)]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for send, target in ((os.killpg, proc.pid), *((os.kill, pid) for pid in pids)):
             try:
@@ -69,10 +47,10 @@ def stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + grace
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
             proc.poll()
             time.sleep(0.2)
-        if not any(_alive(pid) for pid in pids):
+        if not any(alive(pid) for pid in pids):
             break
     proc.wait(timeout=grace)
 
@@ -99,6 +77,8 @@ class PrefectStack:
             # A queued run re-polls a busy device limit at most this often (server default: 30 s).
             PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS="5",
             PREFECT_WORKER_QUERY_SECONDS="2", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+            # as `make server` sets it: device-slot leases survive a server restart
+            PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE="prefect.server.concurrency.lease_storage.filesystem",
             PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         )
         self.policy = str(self.write_policy(logs.parent / "worker-policy.yaml", allow or {}))  # for `make worker`
@@ -123,12 +103,12 @@ class PrefectStack:
         self.procs.append(proc)
         return proc
 
-    def start_server(self, timeout: float = 120) -> None:
-        proc = self._spawn([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)], "server")
+    def start_server(self, timeout: float = 120, log: str = "server") -> None:
+        proc = self._spawn([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)], log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited:\n{(self.logs / 'server.log').read_text()[-3000:]}")
+                raise RuntimeError(f"prefect server exited:\n{(self.logs / f'{log}.log').read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as r:
                     if r.status == 200:
@@ -136,6 +116,14 @@ class PrefectStack:
             except OSError:
                 time.sleep(0.5)
         raise TimeoutError(f"prefect server not healthy after {timeout} s")
+
+    def restart_server(self, down_seconds: float) -> None:
+        """Stop the server, leave it down for a while, start it again on the same port and database."""
+        server = self.procs.pop(0)  # the first process started
+        stop(server)
+        time.sleep(down_seconds)
+        self.start_server(log=f"server-{len(self.procs)}")
+        self.procs.insert(0, self.procs.pop())  # close() still stops the server last
 
     def make(self, *targets: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return self.run(["make", "-o", STAMP, *targets], timeout=timeout)
@@ -223,6 +211,21 @@ class PrefectStack:
     def close(self) -> None:
         for proc in reversed(self.procs):  # the worker first, then the server
             stop(proc)
+
+
+@contextmanager
+def running_stack(tmp: Path, deploy: bool = True, allow: dict[str, Any] | None = None) -> Iterator[PrefectStack]:
+    """A server with its own home under tmp and, with deploy, `make deploy` and `make worker` (under a worker
+    policy that allows `allow`); all stopped after."""
+    stack = PrefectStack(home=tmp / "home", logs=tmp / "logs", allow=allow)
+    try:
+        stack.start_server()
+        if deploy:
+            stack.make("deploy")
+            stack.start_worker()
+        yield stack
+    finally:
+        stack.close()
 
 
 # ---------------------------------------------------------------- the UI in headless Chromium

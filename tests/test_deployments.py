@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy_support import ROOT, PrefectStack, chromium, table_rows, visible_text
+from tests.deploy_support import ROOT, chromium, running_stack, table_rows, visible_text
 
 pytestmark = pytest.mark.slow
 
@@ -96,11 +96,9 @@ def test_evaluate_refuses_a_directory_that_is_not_an_adapter(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("prefect-stack")
     base = tmp_path_factory.getbasetemp()  # the runs below write caches and outputs in temporary directories
-    s = PrefectStack(home=tmp / "home", logs=tmp / "logs",
-                     allow={"output_roots": [base], "cache_roots": [base], "config_roots": [base]})
-    with s.deployed():
+    roots = {"output_roots": [base], "cache_roots": [base], "config_roots": [base]}
+    with running_stack(tmp_path_factory.mktemp("prefect-stack"), allow=roots) as s:
         yield s
 
 

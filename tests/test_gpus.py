@@ -5,9 +5,9 @@ import os
 import pytest
 
 from tasks.config import load_config
-from tasks.environment import EnvironmentReport, resolve_plan
+from tasks.environment import EnvironmentReport, report_markdown, resolve_plan
 from tasks.errors import EnvironmentMismatch
-from tasks.gpus import GpuInfo, choose_gpu_ids, selection_for
+from tasks.gpus import GpuInfo, choose_gpu_ids, restrict, select_gpus, selection_for, visible_ids
 from tasks.launcher import worker_env
 
 
@@ -114,3 +114,55 @@ def test_flash_attention_on_cpu_and_fp16_on_cpu_are_refused():
 def test_cpu_processes_set_the_rank_count_only_on_cpu():
     assert plan_for(["hardware.gpus=cpu", "hardware.cpu_processes=2"], []).nproc == 2
     assert plan_for(["hardware.gpus=0,1", "hardware.cpu_processes=4"], FOUR).nproc == 2
+
+
+def uuid_gpu(i, free, **kw):
+    return gpu(i, free).model_copy(update={"uuid": f"GPU-{i}{i}{i}a1b2-0000-1111-2222-33334444555{i}", **kw})
+
+
+UUIDS = [uuid_gpu(i, free) for i, free in enumerate((1000, 90000, 50000, 90000))]
+
+
+def test_inherited_cuda_visible_devices_restricts_the_selection_to_nvidia_smi_ids():
+    pinned = restrict(UUIDS, "1,3")
+    assert choose_gpu_ids("auto", pinned) == [1, 3]
+    assert choose_gpu_ids("auto:1", restrict(UUIDS, "2,0")) == [2]  # most free memory among the visible ones
+    with pytest.raises(EnvironmentMismatch, match="GPU 0 .* is hidden from this process by CUDA_VISIBLE_DEVICES"):
+        choose_gpu_ids("0,1", pinned)
+    with pytest.raises(EnvironmentMismatch, match=r"auto:3 asks for 3 GPU\(s\) but this machine has 2 usable"):
+        choose_gpu_ids("auto:3", pinned)
+
+
+def test_visible_devices_by_uuid_or_prefix_and_cuda_stops_at_the_first_unknown_entry():
+    assert visible_ids(f"{UUIDS[2].uuid},GPU-111", UUIDS) == {2, 1}
+    assert visible_ids("3,7,1", UUIDS) == {3}  # CUDA ignores everything after an entry that names no GPU
+    assert visible_ids("", UUIDS) == set()  # every GPU hidden: a CPU run
+    assert choose_gpu_ids("auto", restrict(UUIDS, "")) == []
+    assert visible_ids(None, UUIDS) is None
+
+
+def test_mig_devices_are_refused_by_name():
+    mig = [UUIDS[0], UUIDS[1].model_copy(update={"mig": True})]
+    assert choose_gpu_ids("auto", mig) == [0]
+    with pytest.raises(EnvironmentMismatch, match=r"GPU 1 .* is in MIG mode.*nvidia-smi -i 1 -mig 0"):
+        choose_gpu_ids("1", mig)
+    with pytest.raises(EnvironmentMismatch, match="no usable GPU.*MIG mode"):
+        choose_gpu_ids("auto", [mig[1]])
+    with pytest.raises(EnvironmentMismatch, match="names MIG instance MIG-"):
+        visible_ids("MIG-4b2f2d4c-7f6a-5d2e-9d6a-0123456789ab", UUIDS)
+
+
+def test_select_gpus_uses_the_probes_reading_and_never_reads_nvml_again(monkeypatch):
+    import tasks.gpus
+
+    # the inventory changed since the probe (another job took GPU 1's memory): the plan still stands
+    monkeypatch.setattr(tasks.gpus, "read_inventory", lambda: [gpu(0, 99999), gpu(1, 10), gpu(2, 50000)])
+    assert select_gpus.fn("auto:1", FOUR).ids == plan_for(["hardware.gpus=auto:1"], FOUR).gpu_ids == [1]
+
+
+def test_the_environment_report_marks_what_may_not_be_selected():
+    env = report([UUIDS[0], UUIDS[1].model_copy(update={"mig": True}), UUIDS[2].model_copy(update={"visible": False})])
+    env.visible_devices = "0,1"
+    md = report_markdown(env)
+    assert "CUDA_VISIBLE_DEVICES=0,1 (inherited)" in md
+    assert "| yes |" in md and "| no: MIG mode |" in md and "| no: not in CUDA_VISIBLE_DEVICES |" in md

@@ -1,0 +1,149 @@
+"""Processes by identity, not by number: a PID with its start time, the tree below a process, stopping it.
+
+A PID alone can be reused by an unrelated process once ours has exited, so every PID this project writes down
+carries the start time from `/proc/<pid>/stat`, and nothing is signalled unless both still match. Linux only
+(the pipeline's GPU hosts); where /proc is missing, processes read as gone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (field 3, the state, is index 0)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None  # field 22: start time in clock ticks after boot
+
+
+def parent_of(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
+
+
+def alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")  # a zombie has exited; only its entry is left
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid, including those that started their own session (torchrun's ranks do)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        parent = parent_of(int(stat.parent.name))
+        if parent is not None:
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """A process as (pid, start time): still the same process only while both match."""
+
+    pid: int
+    start: int
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessId | None:
+        start = start_time(pid)
+        return None if start is None else cls(pid, start)
+
+    @classmethod
+    def parse(cls, text: str) -> ProcessId | None:
+        try:
+            pid, start = text.split()
+            return cls(int(pid), int(start))
+        except ValueError:
+            return None
+
+    def __str__(self) -> str:
+        return f"{self.pid} {self.start}"
+
+    def is_running(self) -> bool:
+        return start_time(self.pid) == self.start and alive(self.pid)
+
+    def signal(self, sig: int) -> bool:
+        """Send sig if this is still the same process; False if it is gone (or another process has its PID)."""
+        if not self.is_running():
+            return False
+        try:
+            os.kill(self.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+
+def write_record(path: Path, pid: int | None = None) -> None:
+    """`<pid> <start time>` of this (or the given) process, written atomically."""
+    ident = ProcessId.of(pid or os.getpid())
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{ident}\n")
+    os.replace(tmp, path)
+
+
+def read_record(path: Path) -> ProcessId | None:
+    """The process a record names, if it is still running; None for a stale or unreadable record."""
+    try:
+        ident = ProcessId.parse(path.read_text())
+    except OSError:
+        return None
+    return ident if ident is not None and ident.is_running() else None
+
+
+def remove_record_if_mine(path: Path) -> None:
+    try:
+        if ProcessId.parse(path.read_text()) == ProcessId.of(os.getpid()):
+            path.unlink()
+    except OSError:
+        pass
+
+
+def remove_stale_records(directory: Path, pattern: str = "*.pid") -> None:
+    """Records whose process is gone (killed before it could remove its own) are deleted."""
+    for path in directory.glob(pattern) if directory.is_dir() else []:
+        if read_record(path) is None:
+            path.unlink(missing_ok=True)
+
+
+def tree(pid: int) -> list[ProcessId]:
+    """pid and everything below it, each with its start time."""
+    return [ident for p in (pid, *descendants(pid)) if (ident := ProcessId.of(p)) is not None]
+
+
+def signal_tree(members: list[ProcessId], group: int | None, sig: int) -> None:
+    """Signal a process group (the worker's session) and every member (ranks run in sessions of their own)."""
+    if group is not None:
+        try:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for ident in members:
+        ident.signal(sig)
+
+
+def wait_gone(members: list[ProcessId], timeout: float, poll: float = 0.1, while_waiting=None) -> bool:
+    """Wait until no member runs; call while_waiting() between polls (e.g. to drain their output)."""
+    deadline = time.monotonic() + timeout
+    while any(m.is_running() for m in members):
+        if time.monotonic() >= deadline:
+            return False
+        if while_waiting is not None:
+            while_waiting()
+        time.sleep(poll)
+    return True
+

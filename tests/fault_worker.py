@@ -1,0 +1,44 @@
+"""A worker for the lifecycle tests: `python -m tests.fault_worker job.json` does what `job["do"]` says.
+
+It runs through the real `worker_main` (parent-death signal, failure reports, rank records) without loading a
+model, so the launcher's process handling is tested in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tasks.errors import DataError
+from tasks.launcher import worker_main
+from tasks.processes import write_record
+
+
+def _run(job: dict) -> dict | None:
+    do = job["do"]
+    workdir = Path(job["workdir"])
+    if do == "result":
+        return {"ok": True, "rank": os.environ.get("RANK")}
+    if do == "user_error":
+        raise DataError(f"rows.jsonl line 3: not valid JSON (rank {os.environ.get('RANK', 0)})")
+    if do == "oom":
+        raise MemoryError("out of host memory")
+    if do == "crash":
+        raise RuntimeError("something broke")
+    if do == "hang":  # like torchrun: the real work runs in a child with a session of its own
+        subprocess.Popen([sys.executable, "-m", "tests.fault_worker", job["child_job"]], start_new_session=True)
+        write_record(workdir / f"{job['step']}.self.pid")
+        time.sleep(600)
+    if do in ("sleep", "stubborn"):  # stubborn: ignores SIGTERM, so only SIGKILL ends it
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if do == "stubborn" else signal.SIG_DFL)
+        write_record(workdir / f"{job['step']}.self.pid")
+        time.sleep(600)
+    raise ValueError(f"unknown action {do}")
+
+
+if __name__ == "__main__":
+    worker_main(_run)

@@ -1,0 +1,139 @@
+"""Worker lifetime and failure reports through the real launcher, with a model-free worker (tests/fault_worker.py).
+
+Real processes, real signals, real torchrun: what is tested is that no worker outlives its task, that a
+PID is never trusted without its start time, and that the reason a worker failed reaches the task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.errors import UserInputError, WorkerFailed, WorkerOOM
+from tasks.launcher import python_module, run_worker, torchrun_module, write_job
+from tasks.processes import ProcessId, read_record, remove_stale_records, write_record
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(path: Path, timeout: float = 120) -> ProcessId:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ident = read_record(path) if path.exists() else None
+        if ident is not None:
+            return ident
+        time.sleep(0.05)
+    raise TimeoutError(f"{path} never named a running process")
+
+
+def test_result_comes_back_and_no_records_are_left(tmp_path):
+    job = write_job(tmp_path, "probe", do="result")
+    assert run_worker("probe", python_module("tests.fault_worker", job), {}, tmp_path) == {"ok": True, "rank": None}
+    assert not (tmp_path / "probe.pid").exists()
+
+
+def test_user_error_raised_in_torchrun_ranks_reaches_the_task_as_one_message(tmp_path):
+    """torchrun exits 1 whatever its ranks did: the reason comes from the ranks' failure reports."""
+    job = write_job(tmp_path, "train", do="user_error")
+    with pytest.raises(UserInputError) as info:
+        run_worker("train", torchrun_module("tests.fault_worker", job, 2), {"CUDA_VISIBLE_DEVICES": ""}, tmp_path)
+    assert str(info.value).startswith("rows.jsonl line 3: not valid JSON (rank ")
+    assert "\n" not in str(info.value)
+    assert not list((tmp_path / "ranks").glob("*.pid")), "a rank left its PID record behind"
+
+
+def test_out_of_memory_is_reported_with_the_split_it_happened_at(tmp_path):
+    job = write_job(tmp_path, "train", do="oom", micro_batch_split=4)
+    with pytest.raises(WorkerOOM) as info:
+        run_worker("train", python_module("tests.fault_worker", job), {}, tmp_path)
+    assert info.value.split == 4 and "out of host memory" in info.value.message
+    assert json.loads((tmp_path / "train.oom.json").read_text())["split"] == 4
+
+
+def test_a_plain_crash_stays_retryable(tmp_path):
+    job = write_job(tmp_path, "evaluate", do="crash")
+    with pytest.raises(WorkerFailed) as info:
+        run_worker("evaluate", python_module("tests.fault_worker", job), {}, tmp_path)
+    assert type(info.value) is WorkerFailed and "RuntimeError: something broke" in info.value.tail
+
+
+def test_an_interrupted_wait_stops_the_whole_tree_sigkill_after_the_grace_period(tmp_path, caplog):
+    """Ctrl-C in the orchestrator: SIGTERM to the worker and its child in another session; the child ignores it,
+    so SIGKILL follows after the grace period, and run_worker returns only once both are gone."""
+    child_job = write_job(tmp_path, "child", do="stubborn")
+    job = write_job(tmp_path, "evaluate", do="hang", child_job=str(child_job))
+    main = threading.main_thread().ident
+    seen: dict[str, ProcessId] = {}
+
+    def interrupt() -> None:
+        seen["child"] = wait_for(tmp_path / "child.self.pid")
+        seen["worker"] = wait_for(tmp_path / "evaluate.self.pid")
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_worker("evaluate", python_module("tests.fault_worker", job), {}, tmp_path, stop_grace=2)
+    assert not seen["worker"].is_running() and not seen["child"].is_running()
+    assert "did not stop within 2 s: SIGKILL to pids" in caplog.text
+    assert not (tmp_path / "evaluate.pid").exists()
+
+
+def test_workers_die_with_an_orchestrator_killed_by_sigkill(tmp_path):
+    """No finally block runs after SIGKILL: the kernel's parent-death signal takes the worker down, and the
+    worker's own child (its own session, like a torchrun rank) goes the same way."""
+    child_job = write_job(tmp_path, "child", do="sleep")
+    job = write_job(tmp_path, "evaluate", do="hang", child_job=str(child_job))
+    script = ("from pathlib import Path; from tasks.launcher import python_module, run_worker; "
+              f"run_worker('evaluate', python_module('tests.fault_worker', Path({str(job)!r})), {{}}, "
+              f"Path({str(tmp_path)!r}))")
+    orchestrator = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT,
+                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        worker = wait_for(tmp_path / "evaluate.self.pid")
+        child = wait_for(tmp_path / "child.self.pid")
+        orchestrator.kill()
+        orchestrator.wait()
+        deadline = time.monotonic() + 30
+        while (worker.is_running() or child.is_running()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not worker.is_running() and not child.is_running()
+    finally:
+        for path in ("evaluate.self.pid", "child.self.pid"):
+            ident = read_record(tmp_path / path)
+            if ident is not None:
+                ident.signal(signal.SIGKILL)
+
+
+def test_a_worker_whose_orchestrator_is_gone_exits_at_once(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    ident = ProcessId.of(dead.pid)
+    dead.wait()
+    job = write_job(tmp_path, "probe", do="sleep")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FINETUNE_FLOWS_LAUNCHER": str(ident or f"{dead.pid} 1")}
+    done = subprocess.run([sys.executable, "-m", "tests.fault_worker", str(job)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "orchestrator that started this worker is gone" in done.stderr
+
+
+def test_a_pid_record_is_trusted_only_while_its_process_runs(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    record = tmp_path / "rank-0.pid"
+    write_record(record, proc.pid)
+    assert read_record(record) == ProcessId.of(proc.pid)
+    forged = tmp_path / "rank-1.pid"
+    forged.write_text(f"{proc.pid} 1\n")  # same PID, another start time: a reused PID
+    assert read_record(forged) is None and not ProcessId.parse(forged.read_text()).signal(signal.SIGKILL)
+    assert proc.poll() is None, "a stale record signalled a live process"
+    proc.kill()
+    proc.wait()
+    assert read_record(record) is None
+    remove_stale_records(tmp_path)
+    assert not list(tmp_path.glob("*.pid"))

@@ -1,0 +1,104 @@
+"""Bad input found before a Prefect server starts: one message, exit 2, no traceback, nothing left behind.
+
+The CLI cases run the real `python flows/finetune.py` in a subprocess with a fresh PREFECT_HOME and no API URL, so
+"no server was started" is visible as a home without a database.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.config import load_config
+from tasks.errors import ConfigError, DataError, UserInputError
+from tasks.preflight import check_lora_targets, check_utf8, preflight
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    return subprocess.run([sys.executable, "flows/finetune.py", "--set", "model.source=generated:tiny-llama",
+                           "--set", f"run.output_dir={tmp_path / 'runs'}", "--set", f"run.cache_dir={tmp_path / 'c'}",
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_one_message_before_any_server(done: subprocess.CompletedProcess, tmp_path: Path, *needles: str) -> None:
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr + done.stdout, done.stderr
+    for needle in needles:
+        assert needle in done.stderr, done.stderr
+    assert not list(tmp_path.glob("prefect-home/*.db")), "a Prefect server was started for bad input"
+    assert not list(tmp_path.glob("runs/*")), "a run directory was left behind"
+
+
+def test_cli_names_the_line_of_a_row_that_is_not_utf8(tmp_path):
+    data = tmp_path / "tickets.jsonl"
+    data.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')
+    done = cli(tmp_path, "--set", f"data.source={data}")
+    assert_one_message_before_any_server(done, tmp_path, f"{data} line 2: not UTF-8 text (byte 0xe9 at column 16)")
+
+
+def test_cli_names_the_yaml_file_and_line(tmp_path):
+    config = tmp_path / "broken.yaml"
+    config.write_text("train:\n  max_steps: 5\n  learning_rate: [1e-4\n")
+    done = cli(tmp_path, "--config", str(config))
+    assert_one_message_before_any_server(done, tmp_path, f"{config}: 1 problem(s)", "not valid YAML at line 4")
+
+
+def test_cli_refuses_an_output_path_that_is_a_file(tmp_path):
+    (tmp_path / "runs").write_text("not a directory")
+    done = cli(tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert f"run.output_dir={tmp_path / 'runs'}: {tmp_path / 'runs'} is a file" in done.stderr
+    assert not list(tmp_path.glob("prefect-home/*.db"))
+
+
+def test_cli_lists_machine_problems_together(tmp_path):
+    done = cli(tmp_path, "--set", "hardware.gpus=3", "--set", "train.optimizer=adamw_turbo",
+               "--set", "hardware.attn_implementation=flash_attention_2")
+    assert_one_message_before_any_server(
+        done, tmp_path, "config vs this machine: 3 problem(s)", "train.optimizer=adamw_turbo is not an optimizer",
+        "hardware.gpus=3: no GPU with id 3", "flash_attention_2 needs the flash-attn package")
+
+
+def test_flows_run_the_same_preflight(tmp_path):
+    """A deployment run has no CLI: the flow's first step is the same check."""
+    from flows.finetune import finetune
+
+    with pytest.raises(ConfigError, match="train.optimizer=adamw_turbo"):
+        finetune.fn(None, [f"run.output_dir={tmp_path / 'runs'}", "train.optimizer=adamw_turbo"])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_short_runs_and_retry_bounds():
+    cfg = preflight(ROOT / "configs/demo.yaml", ["train.max_steps=5", "hardware.gpus=cpu"])  # save_steps is 10
+    assert cfg.train.max_steps == 5
+    with pytest.raises(ConfigError, match="train.retries"):
+        load_config(None, ["train.retries=51"])  # Prefect refuses more than 50 retry delays
+
+
+def test_encoding_error_position(tmp_path):
+    f = tmp_path / "rows.csv"
+    f.write_bytes(b"prompt,response\nok,fine\nbad \xff row,x\n")
+    with pytest.raises(DataError, match=r"rows.csv line 3: not UTF-8 text \(byte 0xff at column 5\)"):
+        check_utf8(f)
+
+
+def test_lora_targets_are_checked_against_the_models_module_names(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256).save_pretrained(tmp_path)
+    check_lora_targets(tmp_path, ["q_proj", "v_proj", "mlp.down_proj"])
+    check_lora_targets(tmp_path, "all-linear")
+    with pytest.raises(UserInputError) as info:
+        check_lora_targets(tmp_path, ["q_proj", "query_key_value"])
+    assert "no module named query_key_value" in str(info.value)
+    assert "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in str(info.value)
