@@ -40,13 +40,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def write_data(path: Path, rows: int, history: int, seed: int) -> None:
     """Ticket-triage rows whose prompt carries 0..history earlier customer messages (varied lengths)."""
-    from tasks.demo_data import SYSTEM, make_example
+    from tasks.demo_data import SHAPES, SYSTEM, make_example
 
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(rows):
-            ex = make_example(rng)
-            earlier = [make_example(rng)["prompt"].removeprefix("Ticket: ") for _ in range(rng.randint(0, history))]
+            ex = make_example(rng.choice(SHAPES), rng)
+            earlier = [make_example(rng.choice(SHAPES), rng)["prompt"].removeprefix("Ticket: ")
+                       for _ in range(rng.randint(0, history))]
             prompt = ("Earlier messages: " + " ".join(earlier) + "\n" if earlier else "") + ex["prompt"]
             f.write(json.dumps({"system": SYSTEM, "prompt": prompt, "response": ex["response"]}) + "\n")
 

@@ -187,5 +187,5 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             run_attempts(out, limit, resume_point, attempt)
         return TrainResult.model_validate(whole_run(out, json.loads((out / "train_metrics.json").read_text())))
 
-    result, reused = reuse_or_produce(entry, TrainResult, produce, TRAIN_OUTPUTS, keep=("checkpoints", "train.log"))
+    result, reused = reuse_or_produce(entry, TrainResult, produce, TRAIN_OUTPUTS, keep=("checkpoints", "train.log", "attempts.json", "adapt.json"))
     return step_state(result, reused, entry)

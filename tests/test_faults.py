@@ -278,12 +278,12 @@ def test_cli_runs_started_in_the_same_second_on_a_fresh_prefect_home_all_finish(
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, shared_cache):
     """A real server, `make deploy` (work pool, this host's device limits, deployments) and `make worker`."""
     from tests.deploy_support import running_stack
 
-    base = tmp_path_factory.getbasetemp()  # its deployment runs write caches and outputs in temporary directories
-    roots = {"output_roots": [base], "cache_roots": [base], "config_roots": [base], "data_roots": [base]}
+    base = tmp_path_factory.getbasetemp()  # its deployment runs write outputs in temporary directories
+    roots = {"output_roots": [base], "cache_roots": [base, shared_cache], "config_roots": [base], "data_roots": [base]}
     with running_stack(tmp_path_factory.mktemp("fault-stack"), allow=roots) as s:
         yield s
 

@@ -107,7 +107,7 @@ def test_refused_runs_left_no_run_directory_and_no_cache_entry(host, runs):
     allowed_dirs = {p.name for p in (host / "runs").iterdir()} - {"link"}
     assert len(allowed_dirs) == 1 and next(iter(allowed_dirs)).startswith("policy-")  # only the allowed run's
     assert sorted(p.name for p in (host / "cache").iterdir() if p.name != "link") == [
-        ".locks", "adapters", "datasets", "evals", "merged", "models", "quantized", "tokenizers"]
+        ".locks", "adapters", "datasets", "dequantized", "evals", "merged", "models", "quantized", "tokenizers"]
 
 
 def test_the_allowed_run_completes_and_never_shows_the_hosts_token(stack, host, runs):
