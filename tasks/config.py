@@ -138,6 +138,16 @@ class TrainConfig(Section):
     liger_kernel: bool | Literal["auto"] = Field(
         "auto", description="Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) "
         "through the Trainer; `auto`: on NVIDIA GPUs where liger-kernel is installed (`pip install .[gpu]`).")
+    dequantize_base: bool | Literal["auto"] = Field(
+        "auto", description="Hold the NF4 base dequantized in the compute dtype while training: exactly the "
+        "weights every 4-bit matmul multiplies by (bitsandbytes dequantizes them on every call), so the adapter "
+        "is the same QLoRA adapter, without the per-call dequantization (it costs 2 bytes per weight instead of "
+        "~0.5; `true` still keeps the base 4-bit where the planner finds the dequantized copy does not fit). "
+        "`auto`: off until measured faster on this kind of GPU (benchmarks/README.md).")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each decoder layer (dynamic shapes) to fuse the elementwise work and "
+        "cut kernel launches; needs the dequantized base. `auto`: off until measured faster on this kind of GPU "
+        "(benchmarks/README.md).")
     upcast_frozen: bool | Literal["auto"] = Field(
         "auto", description="Keep the frozen embeddings, norms and lm_head in fp32 as PEFT's "
         "prepare_model_for_kbit_training does (true), or in the compute dtype (false); `auto`: the measured "

@@ -106,6 +106,8 @@ class TrainingPlan(BaseModel):
     predicted_peak_gib: float
     budget_gib: float | None  # memory the plan may use per GPU (None on the CPU)
     reasons: list[str]
+    dequantize_base: bool = False  # hold the NF4 weights dequantized (the same numbers, no per-call dequant)
+    compile_layers: bool = False  # torch.compile each decoder layer (fused elementwise, fewer launches)
 
 
 def _base_bytes(shape: ModelShape, four_bit: bool, frozen_bytes: int, dtype_bytes: int) -> float:
@@ -137,8 +139,41 @@ def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
                   rows_per_step: int, packing: bool, micro_batch_tokens: int | None, checkpointing: bool | str,
                   four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
                   dtype_bytes: int = 2, upcast: bool = True, per_device_rows: int = 8,
-                  accumulation: int = 1) -> TrainingPlan:
-    """Choose micro-batch size, accumulation and checkpointing for one rank (see the module docstring)."""
+                  accumulation: int = 1, dequantize: bool = False,
+                  compile_layers: bool = False) -> TrainingPlan:
+    """Choose micro-batch size, accumulation, checkpointing and whether to hold the base dequantized (asked for by
+    `dequantize`, kept 4-bit where the dequantized base would not fit the budget)."""
+    plan = _plan_batches(shape, free_mib=free_mib, max_row=max_row, mean_row=mean_row, rows_per_step=rows_per_step,
+                         packing=packing, micro_batch_tokens=micro_batch_tokens, checkpointing=checkpointing,
+                         four_bit=four_bit, lora_r=lora_r, lora_targets=lora_targets, fused_ce=fused_ce,
+                         dtype_bytes=dtype_bytes, upcast=upcast, per_device_rows=per_device_rows,
+                         accumulation=accumulation)
+    if not four_bit or not dequantize:
+        if compile_layers and four_bit:
+            plan.reasons.append("decoder layers not compiled: the 4-bit matmuls cannot be (train.dequantize_base "
+                                "makes them plain ones)")
+        return plan.model_copy(update={"compile_layers": compile_layers and not four_bit})
+    tokens = plan.micro_batch_tokens or plan.micro_batch_rows * max_row
+    peak = peak_bytes(shape, tokens, checkpointing=plan.gradient_checkpointing, four_bit=False, lora_r=lora_r,
+                      lora_targets=lora_targets, fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast)
+    budget = None if plan.budget_gib is None else plan.budget_gib * GIB
+    if budget is not None and peak > budget:
+        plan.reasons.append(f"NF4 base kept 4-bit: dequantized it would need {peak / GIB:.1f} GiB"
+                            + ("; so decoder layers not compiled (4-bit matmuls cannot be)" if compile_layers else ""))
+        return plan
+    plan.reasons.append("NF4 base held dequantized in the compute dtype: the same weights every 4-bit matmul "
+                        "multiplies by, without dequantizing them again on every call"
+                        + (f" ({peak / GIB:.1f} GiB predicted)" if budget is not None else ""))
+    if compile_layers:
+        plan.reasons.append("decoder layers compiled (torch.compile, dynamic shapes)")
+    return plan.model_copy(update={"dequantize_base": True, "compile_layers": compile_layers,
+                                   "predicted_peak_gib": round(peak / GIB, 2)})
+
+
+def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
+                  rows_per_step: int, packing: bool, micro_batch_tokens: int | None, checkpointing: bool | str,
+                  four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
+                  dtype_bytes: int, upcast: bool, per_device_rows: int, accumulation: int) -> TrainingPlan:
     reasons: list[str] = []
     target = rows_per_step * mean_row
     common = dict(four_bit=four_bit, lora_r=lora_r, lora_targets=lora_targets, fused_ce=fused_ce,

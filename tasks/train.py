@@ -134,7 +134,8 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             four_bit=base.load_in_4bit, lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
             fused_ce=liger_setting(cfg, plan), dtype_bytes=2 if plan.compute_dtype != "float32" else 4,
             upcast=upcast_setting(cfg), per_device_rows=t.per_device_batch_size,
-            accumulation=t.gradient_accumulation_steps)
+            accumulation=t.gradient_accumulation_steps, dequantize=t.dequantize_base is True,
+            compile_layers=t.compile is True)
     except ValueError as exc:
         raise UserInputError(f"training plan: {exc}") from None
 

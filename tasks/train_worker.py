@@ -191,6 +191,11 @@ def build_model(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, base_path:
         trust_remote_code=cfg.model.trust_remote_code,
     )
     ckpt_kwargs = {"use_reentrant": False}
+    if load_in_4bit and tplan.dequantize_base:
+        from tasks.dequantize import dequantize_model
+
+        dequantize_model(model)  # in place, on the device: the weights the 4-bit matmuls multiply by
+        load_in_4bit = False
     if load_in_4bit and upcast:
         # PEFT's recipe: frozen non-quantized weights (embeddings, norms, lm_head) in fp32
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=tplan.gradient_checkpointing,
@@ -205,6 +210,9 @@ def build_model(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, base_path:
         target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM",
     ))
     model.config.use_cache = False
+    if tplan.compile_layers:
+        for layer in model.get_base_model().model.layers:
+            layer.compile(dynamic=True)  # one graph for every layer, any packed length
     return model
 
 
@@ -273,7 +281,9 @@ def _train(job: dict) -> dict | None:
         save_total_limit=t.save_total_limit, seed=t.seed, data_seed=t.seed, report_to=cfg.tracking.report_to,
         remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False,
         use_liger_kernel=use_liger,
-        liger_kernel_config={"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True},
+        # compiled layers fuse norm, RoPE and SwiGLU themselves; Liger keeps the fused loss outside them
+        liger_kernel_config={"rope": not tplan.compile_layers, "rms_norm": not tplan.compile_layers,
+                             "swiglu": not tplan.compile_layers, "fused_linear_cross_entropy": True},
     )
     last_checkpoint(out / "checkpoints")  # removes a checkpoint left half-written
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(out / "tensorboard"))  # copied into each run's directory
@@ -293,7 +303,9 @@ def _train(job: dict) -> dict | None:
                                                job["profile"]["steps"]))
     if trainer.is_world_process_zero():
         print(f"training: {layout}; checkpointing {'on' if tplan.gradient_checkpointing else 'off'}; "
-              f"liger {'on' if use_liger else 'off'}; frozen weights in {'fp32' if upcast else plan.compute_dtype}",
+              f"liger {'on' if use_liger else 'off'}; frozen weights in {'fp32' if upcast else plan.compute_dtype}"
+              + ("; NF4 base dequantized" if tplan.dequantize_base else "")
+              + ("; decoder layers compiled" if tplan.compile_layers else ""),
               flush=True)
         if resume is not None:
             print(f"resuming from {resume.name} (optimizer, scheduler and RNG state restored)", flush=True)

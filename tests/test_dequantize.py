@@ -76,3 +76,44 @@ def test_copy_is_made_once_and_reused(base, tmp_path):
     assert first.parent == tmp_path / "dequantized" and not [p for p in first.parent.iterdir() if p.name[0] == "."]
     plain = base.model_copy(update={"load_in_4bit": False})
     assert dequantized_copy(plain, tmp_path) == base.path
+
+
+def test_training_on_the_dequantized_base_computes_the_qlora_loss_and_gradients(shared_cache):
+    """train.dequantize_base: the rank holds the NF4 weights dequantized; the LoRA adapter it trains sees the same
+    loss and gradients as on the 4-bit model (fp32 here; only the matmul kernels differ)."""
+    import torch
+
+    from tasks.config import FinetuneConfig
+    from tasks.environment import Plan
+    from tasks.planner import TrainingPlan
+    from tasks.train_worker import build_model
+
+    base = tiny_quantized(shared_cache / "dequantize", "float32")
+    cfg = FinetuneConfig.model_validate({"lora": {"dropout": 0.0}})
+    plan = Plan(device="cpu", gpu_ids=[], nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
+                eval_attn="sdpa", eval_dtype="float32")
+    ids = torch.randint(3, 1000, (2, 20), generator=torch.Generator().manual_seed(0))
+
+    def loss_and_grads(dequantize: bool):
+        tplan = TrainingPlan(packing=False, micro_batch_tokens=0, micro_batch_rows=2, gradient_accumulation_steps=1,
+                             gradient_checkpointing=False, tokens_per_step=40.0, predicted_peak_gib=0.0,
+                             budget_gib=None, reasons=[], dequantize_base=dequantize)
+        torch.manual_seed(1)  # the same LoRA initialisation
+        model = build_model(cfg, plan, tplan, base.path, True, {"": "cpu"}, upcast=False)
+        for _, module in model.named_modules():  # a non-zero B, so the gradients reach A too
+            if hasattr(module, "lora_B"):
+                torch.nn.init.normal_(module.lora_B["default"].weight, std=0.02,
+                                      generator=torch.Generator().manual_seed(2))
+        model.train()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return model, loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    plain, loss, grads = loss_and_grads(True)
+    four_bit, loss4, grads4 = loss_and_grads(False)
+    assert not any(type(m).__name__ == "Linear4bit" for m in plain.modules())
+    assert any(type(m).__name__ == "Linear4bit" for m in four_bit.modules())
+    assert grads.keys() == grads4.keys() and len(grads) == 28  # A and B of 14 projections
+    assert abs(loss - loss4) < 1e-5, (loss, loss4)
+    for name, g in grads.items():
+        assert torch.allclose(g, grads4[name], atol=1e-5, rtol=1e-4), name

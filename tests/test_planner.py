@@ -82,3 +82,21 @@ def test_upcast_and_unfused_loss_cost_the_memory_measured_on_an_h200():
 def test_padded_plan_keeps_the_configured_rows():
     p = plan("qwen3-0.6b", GPUS["H200-141GB"], packing=False, per_device_rows=8, accumulation=4)
     assert not p.packing and p.micro_batch_rows == 8 and p.gradient_accumulation_steps == 4
+
+
+def test_dequantized_base_is_held_where_it_fits_and_kept_4bit_where_it_does_not():
+    small = plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, compile_layers=True)
+    assert small.dequantize_base and small.compile_layers
+    assert small.predicted_peak_gib <= small.budget_gib
+    big = plan("qwen3-8b", GPUS["RTX4090-24GB"], dequantize=True, compile_layers=True)  # 16 GB of bf16 weights
+    assert not big.dequantize_base and not big.compile_layers
+    assert any("kept 4-bit" in r for r in big.reasons) and any("not compiled" in r for r in big.reasons)
+    assert not plan("qwen3-0.6b", GPUS["H200-141GB"]).dequantize_base  # only when asked for
+
+
+def test_dequantized_base_costs_its_bf16_weights_in_the_prediction():
+    kept = plan("qwen3-8b", GPUS["H200-141GB"])
+    held = plan("qwen3-8b", GPUS["H200-141GB"], dequantize=True)
+    assert held.dequantize_base
+    extra = held.predicted_peak_gib - kept.predicted_peak_gib
+    assert 8 < extra < 14  # ~2 bytes instead of ~0.5 per weight of 8B parameters (~11 GiB more)
