@@ -24,8 +24,9 @@ import threading
 import time
 import traceback
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from tasks.errors import DiskFull, UserInputError, WorkerFailed, WorkerInterrupted, WorkerOOM
 from tasks.lifecycle import (
@@ -267,19 +268,31 @@ def emit_event(kind: str, **data: Any) -> None:
     print(EVENT_PREFIX + json.dumps({"kind": kind, **data}), flush=True)
 
 
+@contextmanager
+def rank_record(workdir: Path, rank: int | str | None) -> Iterator[None]:
+    """A training rank's pid record (torchrun's or Ray Train's): findable by operators and tests while the rank
+    runs, gone after. `rank` None (not a rank) records nothing."""
+    if rank is None:
+        yield
+        return
+    record = workdir / "ranks" / f"rank-{rank}.pid"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    write_record(record)
+    try:
+        yield
+    finally:
+        remove_record_if_mine(record)
+
+
 def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
     """Entry point body for `python -m tasks.X job.json`: run fn(job), write its result or report why it failed."""
     die_with_launcher()
     job = json.loads(Path(sys.argv[1]).read_text())
     workdir = Path(job["workdir"])
     step = job["step"]
-    rank_record = None
-    if "RANK" in os.environ:  # a torchrun rank: findable by operators and tests while it runs, gone after
-        rank_record = workdir / "ranks" / f"rank-{os.environ['RANK']}.pid"
-        rank_record.parent.mkdir(parents=True, exist_ok=True)
-        write_record(rank_record)
     try:
-        result = fn(job)
+        with rank_record(workdir, os.environ.get("RANK")):
+            result = fn(job)
     except Exception as exc:
         kind = classify(exc, workdir)
         if kind is None:
@@ -295,9 +308,6 @@ def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
                        int(job.get("micro_batch_split", 1)))
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CODES[kind])
-    finally:
-        if rank_record is not None:
-            remove_record_if_mine(rank_record)
     if result is not None:
         tmp = workdir / f".{step}.result.json.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(result, indent=2))

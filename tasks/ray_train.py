@@ -19,7 +19,7 @@ from pathlib import Path
 from tasks.config import FinetuneConfig
 from tasks.distributed import world_size
 from tasks.environment import Plan
-from tasks.launcher import worker_main
+from tasks.launcher import rank_record, worker_main
 
 RAY_RUN_NAME = "train"
 # Progress events are plain stdout lines: Ray Train's print patch would turn them into log records.
@@ -28,9 +28,12 @@ DRIVER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_DEDUP_LOGS": "0"}
 
 def train_loop_per_worker(job: dict) -> None:
     """One Ray Train worker: Ray has set up the process group and RANK/LOCAL_RANK/WORLD_SIZE."""
+    import ray.train
+
     from tasks.train_worker import _train
 
-    _train(job)
+    with rank_record(Path(job["workdir"]), ray.train.get_context().get_world_rank()):
+        _train(job)
 
 
 def report_callback():

@@ -153,6 +153,11 @@ def publish_training_plan(tplan: TrainingPlan) -> None:
 
 
 
+# What an unfinished attempt leaves for the next one: the checkpoints it resumes from (torchrun's, and Ray Train's
+# run storage under ray/), the log, and the whole-run accounting (tasks/attempts.py).
+RESUMABLE = ("checkpoints", "ray", "train.log", "attempts.json", "adapt.json")
+
+
 @task(name="train-adapter", persist_result=False, cache_policy=NO_CACHE, retry_condition_fn=retry_unless_user_error,
       task_run_name="train-adapter[{cfg.run.name}: {cfg.train.max_steps} steps]", tags=["training", "device"])
 def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan, gpus: GpuSelection,
@@ -188,5 +193,5 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             run_attempts(out, limit, resume_point, attempt)
         return TrainResult.model_validate(whole_run(out, json.loads((out / "train_metrics.json").read_text())))
 
-    result, reused = reuse_or_produce(entry, TrainResult, produce, TRAIN_OUTPUTS, keep=("checkpoints", "train.log", "attempts.json", "adapt.json"))
+    result, reused = reuse_or_produce(entry, TrainResult, produce, TRAIN_OUTPUTS, keep=RESUMABLE)
     return step_state(result, reused, entry)
