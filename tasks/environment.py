@@ -8,7 +8,9 @@ cannot meet.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import socket
@@ -228,19 +230,67 @@ def report_markdown(env: EnvironmentReport, plan: Plan | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_probe(workdir: Path, kernels: dict[str, str] | None = None) -> EnvironmentReport:
+PROBE_FORMAT = 1  # bump when probe() reports something new: older cached probes are then not reused
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no NVIDIA driver (or no pynvml): nothing to key on
+        return None
+    try:
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else version
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def probe_key(kernels: dict[str, str] | None, gpus: list[GpuInfo]) -> str:
+    """Everything the probe's answer depends on, read without importing torch: the interpreter, the installed
+    versions of the stack, the platform, the driver, the GPUs (identity, not free memory) and the visible set."""
+    ident = {"format": PROBE_FORMAT, "python": sys.executable, "version": sys.version, "host": socket.gethostname(),
+             "platform": platform.platform(), "versions": {d: _version(d) for d in STACK},
+             "driver": _driver_version() if gpus else None, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+             "gpus": [(g.index, g.uuid, g.name, g.memory_total_mib, g.mig) for g in gpus],
+             "kernels": kernels or {}}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def run_probe(workdir: Path, kernels: dict[str, str] | None = None, cache: Path | None = None) -> EnvironmentReport:
+    """The probe's report: from `cache` when this interpreter, stack and machine were probed before (a child that
+    imports torch and bitsandbytes costs 5-20 s per run), else from a new child. The GPUs' free memory and the
+    Hub's reachability are read fresh either way."""
+    gpus = read_inventory()
+    path = cache / "environment-probes" / f"{probe_key(kernels, gpus)}.json" if cache is not None else None
+    if path is not None and path.is_file():
+        try:
+            report = EnvironmentReport.model_validate_json(path.read_text())
+        except ValueError:  # unreadable: probe again (and replace it)
+            report = None
+        if report is not None:
+            run_logger().info("environment: reusing the probe in %s (same interpreter, stack versions and GPUs)",
+                              path)
+            return report.model_copy(update={"gpus": gpus, "hub_reachable": _hub_reachable()})
     job = write_job(workdir, "environment", kernels=kernels or {})
     # CUDA_DEVICE_ORDER makes torch's numbering match nvidia-smi's, as for every worker.
     result = run_worker("environment", python_module("tasks.environment", job), {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
                         workdir)
-    return EnvironmentReport.model_validate(result)
+    report = EnvironmentReport.model_validate(result)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(report.model_dump_json(indent=2))
+        tmp.replace(path)  # atomic: a reader sees a whole probe or none
+    return report
 
 
 @task(name="verify-environment", task_run_name="verify-environment[gpus={cfg.hardware.gpus}]", tags=["setup"],
       persist_result=False, cache_policy=NO_CACHE)  # no result store: nothing pickled is ever read back
 def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentReport, Plan]:
     """Probe the machine, publish the report, and check the config against it (all problems at once)."""
-    env = run_probe(run_dir / "work", cfg.hardware.kernels)
+    env = run_probe(run_dir / "work", cfg.hardware.kernels, cfg.cache_root)
     for layer, status in env.kernels.items():
         if not status.startswith("loads"):
             run_logger().warning("hardware.kernels %s: %s", layer, status)

@@ -52,6 +52,7 @@ def tiny_overrides(cache: Path, runs: Path, **extra: object) -> list[str]:
         "eval.max_samples": 8,
         "eval.max_new_tokens": 6,
         "eval.batch_size": 8,
+        "export.merge": False,  # the merge step is tested where a test asks for it (export.merge=True)
         "run.name": "tiny",
         "run.cache_dir": str(cache),
         "run.output_dir": str(runs),

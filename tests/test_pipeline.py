@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def first_run(prefect_server, shared_cache, tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
     started = time.perf_counter()
-    result = finetune(None, tiny_overrides(shared_cache / "pipeline", runs))
+    result = finetune(None, tiny_overrides(shared_cache / "pipeline", runs, **{"export.merge": True}))
     return result, runs, time.perf_counter() - started
 
 

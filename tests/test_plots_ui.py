@@ -46,7 +46,7 @@ def cli_run(stack, shared_cache, tmp_path_factory):
 
     runs = tmp_path_factory.mktemp("runs")
     argv = [sys.executable, "flows/finetune.py"]
-    for override in tiny_overrides(shared_cache / "ui", runs):
+    for override in tiny_overrides(shared_cache / "ui", runs, **{"export.merge": True}):
         argv += ["--set", override]
     env = dict(stack.env, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)

@@ -51,7 +51,7 @@ def tiny(host: Path, **extra: str) -> list[str]:
     base = {"model.source": "generated:tiny-llama", "data.source": str(host / "data" / "tickets.jsonl"),
             "data.format": "instruction", "data.max_length": 128, "train.max_steps": 2, "train.save_steps": 1,
             "train.per_device_batch_size": 4, "eval.max_samples": 4, "eval.max_new_tokens": 4, "eval.batch_size": 4,
-            "hardware.gpus": "cpu", "run.name": "policy", "run.output_dir": str(host / "runs"),
+            "hardware.gpus": "cpu", "export.merge": False, "run.name": "policy", "run.output_dir": str(host / "runs"),
             "run.cache_dir": str(host / "cache")}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
@@ -107,7 +107,7 @@ def test_refused_runs_left_no_run_directory_and_no_cache_entry(host, runs):
     allowed_dirs = {p.name for p in (host / "runs").iterdir()} - {"link"}
     assert len(allowed_dirs) == 1 and next(iter(allowed_dirs)).startswith("policy-")  # only the allowed run's
     assert sorted(p.name for p in (host / "cache").iterdir() if p.name != "link") == [
-        ".locks", "adapters", "datasets", "dequantized", "evals", "merged", "models", "quantized", "tokenizers"]
+        ".locks", "adapters", "datasets", "dequantized", "environment-probes", "evals", "models", "quantized", "tokenizers"]
 
 
 def test_the_allowed_run_completes_and_never_shows_the_hosts_token(stack, host, runs):
