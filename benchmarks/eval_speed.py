@@ -237,7 +237,7 @@ def main() -> int:
 
     from tasks.backends import attention_shape, choose, measure_on_device
     from tasks.environment import STACK, _version
-    from tasks.eval_worker import _load_copy, _load_reference, auto_batch_tokens
+    from tasks.eval_worker import _load_with_adapter, auto_batch_tokens
     from tasks.generation import (
         choose_engine, continuous_supports, generate_continuous, generate_reference, generate_static,
         stop_token_ids,
@@ -260,8 +260,8 @@ def main() -> int:
 
     pairs = [json.loads(line) for line in (data.path / "eval_prompts.jsonl").read_text().splitlines()][: args.prompts]
     prompts, references = [p["prompt"] for p in pairs], [p["reference"] for p in pairs]
-    reference_model = _load_reference(base, adapter, plan, device)
-    copy_model = _load_copy(cfg, base, adapter, plan, device)
+    reference_model = _load_with_adapter(cfg, base, adapter, plan, device, "generate")  # the 4-bit model
+    copy_model = _load_with_adapter(cfg, base, adapter, plan, device, "static")  # the dequantized copy
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(adapter)

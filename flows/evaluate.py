@@ -1,7 +1,11 @@
-"""evaluate: an existing QLoRA adapter scored against its base model, without training.
+"""evaluate: an existing QLoRA adapter, or the merged checkpoint made from one, scored against its base model.
 
     python flows/evaluate.py --adapter runs/<run>/adapter              # with the config it was trained with
+    python flows/evaluate.py --merged runs/<run>/merged                # the merged checkpoint (and its adapter)
     python flows/evaluate.py --adapter DIR --config configs/X.yaml --set eval.max_samples=200
+
+The directory's files say which it is (`--adapter` and `--merged` are the same option). A merged checkpoint is
+scored beside the base and, when its model card names an adapter that is still there, beside base + adapter.
 """
 
 from __future__ import annotations
@@ -15,15 +19,15 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 from prefect import flow  # noqa: E402
 
 from tasks.adapters import (  # noqa: E402
-    EvaluationResult, check_adapter_dir, create_eval_run_dir, eval_run_name, finish_evaluation, render_evaluation,
-    training_config, warn_if_other_base,
+    EvaluationResult, check_evaluation_dir, create_eval_run_dir, eval_run_name, finish_evaluation, named_adapter,
+    render_evaluation, training_config, warn_if_other_base,
 )
 from tasks.caching import run_step  # noqa: E402
 from tasks.fingerprint import pin_hub_revisions  # noqa: E402
 from tasks.policy import check_adapter_path  # noqa: E402
 from tasks.dataset import prepare_dataset  # noqa: E402
 from tasks.environment import verify_environment  # noqa: E402
-from tasks.evaluate import evaluate_adapter, publish_eval  # noqa: E402
+from tasks.evaluate import beside_adapter, evaluate_adapter, evaluate_checkpoint, publish_eval  # noqa: E402
 from tasks.gpus import select_gpus  # noqa: E402
 from tasks.models import materialize_tokenizer  # noqa: E402
 from tasks.preflight import preflight  # noqa: E402
@@ -32,9 +36,10 @@ from tasks.quantize import quantize_base_model  # noqa: E402
 
 @flow(name="evaluate", flow_run_name=eval_run_name, log_prints=True, persist_result=False)
 def evaluate(adapter: str, config: str | None = None, overrides: list[str] | None = None) -> EvaluationResult:
+    """`adapter`: an adapter directory or a merged checkpoint (runs/<run>/adapter or runs/<run>/merged)."""
     check_adapter_path(adapter)  # the worker's policy first: nothing read or written
-    adapter_dir = check_adapter_dir(adapter)  # before anything loads
-    cfg = pin_hub_revisions(preflight(config or training_config(adapter_dir), overrides))
+    target = check_evaluation_dir(adapter)  # adapter or merged checkpoint, before anything loads
+    cfg = pin_hub_revisions(preflight(config or training_config(target.path), overrides))
     run_dir = create_eval_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir)
@@ -43,23 +48,34 @@ def evaluate(adapter: str, config: str | None = None, overrides: list[str] | Non
                                       cfg.model.trust_remote_code)
     data, _ = run_step(prepare_dataset, cfg, tokenizer)
     base, _ = run_step(quantize_base_model, cfg, plan, gpus, run_dir)
-    warn_if_other_base(adapter_dir, base)
-    report, _ = run_step(evaluate_adapter, cfg, data, base, adapter_dir, plan, gpus)
+    if target.kind == "adapter":
+        adapter_dir = target.path
+        warn_if_other_base(adapter_dir, base)
+        report, _ = run_step(evaluate_adapter, cfg, data, base, adapter_dir, plan, gpus)
+    else:
+        report, _ = run_step(evaluate_checkpoint, cfg, data, base, target.path, plan, gpus)
+        adapter_dir = named_adapter(target.path)  # the adapter it was merged from, if still there
+        if adapter_dir is not None:
+            warn_if_other_base(adapter_dir, base)
+            with_adapter, _ = run_step(evaluate_adapter, cfg, data, base, adapter_dir, plan, gpus)
+            report = beside_adapter(report, with_adapter, data)
 
     publish_eval(report)
-    return finish_evaluation(run_dir, adapter_dir, report)
+    return finish_evaluation(run_dir, target, adapter_dir, report)
 
 
 def main(argv: list[str] | None = None) -> int:
     from tasks.cli import run_cli
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--adapter", required=True, help="adapter directory (runs/<run>/adapter of a fine-tune run)")
-    parser.add_argument("--config", help="run config YAML (default: the adapter's runs/<run>/config.resolved.yaml)")
+    parser.add_argument("--adapter", "--merged", dest="adapter", required=True, metavar="DIR",
+                        help="adapter directory (runs/<run>/adapter) or merged checkpoint (runs/<run>/merged)")
+    parser.add_argument("--config", help="run config YAML (default: the run's runs/<run>/config.resolved.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. eval.max_samples=200 (repeatable)")
     args = parser.parse_args(argv)
-    return run_cli(lambda: preflight(args.config or training_config(check_adapter_dir(args.adapter)), args.overrides),
+    return run_cli(lambda: preflight(args.config or training_config(check_evaluation_dir(args.adapter).path),
+                                     args.overrides),
                    lambda: evaluate(args.adapter, args.config, args.overrides),
                    lambda result: print(render_evaluation(result)))
 

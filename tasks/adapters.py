@@ -1,15 +1,21 @@
-"""An existing adapter: checked before anything loads, and its evaluation-only run recorded (`flows/evaluate.py`).
+"""An existing adapter or merged checkpoint: checked before anything loads, and its evaluation-only run recorded
+(`flows/evaluate.py`).
 
-A fine-tune run leaves `runs/<run>/adapter/` (PEFT weights plus the tokenizer) beside the run's
-`config.resolved.yaml`; an evaluation of the adapter uses that config unless given another, so the held-out
-split is the one the adapter was trained against.
+A fine-tune run leaves `runs/<run>/adapter/` (PEFT weights plus the tokenizer) and, with `export.merge`,
+`runs/<run>/merged/` (a plain transformers checkpoint with its model card) beside the run's `config.resolved.yaml`;
+an evaluation uses that config unless given another, so the held-out split is the one the adapter was trained
+against. Which of the two a directory is, its files say: `adapter_config.json` makes it an adapter, `config.json`
+and weights without one a merged checkpoint. A merged checkpoint's card names the adapter it was made from (front
+matter `finetune_flows.adapter`); when that adapter is still there, it is evaluated beside the checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
+from typing import Literal
+
+import yaml
 
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from pydantic import BaseModel
@@ -18,6 +24,7 @@ from tasks.config import FinetuneConfig, load_config
 from tasks.errors import UserInputError
 from tasks.evaluate import EvalReport
 from tasks.launcher import run_logger
+from tasks.policy import check_adapter_path
 from tasks.plots import publish_plots
 from tasks.quantize import QuantizedModel
 from tasks.runs import create_run_dir
@@ -28,12 +35,20 @@ TRAINING_CONFIG = "config.resolved.yaml"
 
 
 class AdapterError(UserInputError):
-    """The adapter directory is missing or does not hold a PEFT adapter this pipeline can evaluate."""
+    """The directory is missing or holds neither a PEFT adapter nor a merged checkpoint this pipeline can evaluate."""
+
+
+class Evaluated(BaseModel):
+    """What `flows/evaluate.py` was given, told apart by its files."""
+
+    kind: Literal["adapter", "merged"]
+    path: Path
 
 
 class EvaluationResult(BaseModel):
     run_dir: Path
-    adapter_path: Path
+    adapter_path: Path | None  # the adapter evaluated (for a merged checkpoint: the one its card names, if evaluated)
+    merged_path: Path | None = None  # the merged checkpoint evaluated
     eval: EvalReport
 
 
@@ -59,9 +74,64 @@ def check_adapter_dir(adapter: str | Path) -> Path:
     return path.resolve()
 
 
-def training_config(adapter_dir: Path) -> Path:
-    """The config the adapter was trained with (`<run>/config.resolved.yaml`), when it is there."""
-    found = adapter_dir.parent / TRAINING_CONFIG
+def check_merged_dir(path: Path) -> Path:
+    """A merged (plain transformers) checkpoint, resolved; raise AdapterError naming what is missing."""
+    hint = "give the `merged/` directory of a fine-tune or export run, e.g. runs/<run>/merged"
+    missing = []
+    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        missing.append("model weights (*.safetensors or pytorch_model*.bin)")
+    if not (path / "tokenizer_config.json").is_file():
+        missing.append("tokenizer_config.json (the evaluator reads the tokenizer saved with the checkpoint)")
+    if missing:
+        raise AdapterError(f"{path} is not a merged checkpoint: no {', no '.join(missing)} ({hint})")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as exc:
+        raise AdapterError(f"{path / 'config.json'} is not valid JSON: {exc}") from None
+    if isinstance(config, dict) and "quantization_config" in config:
+        raise AdapterError(f"{path} is a quantized checkpoint (quantization_config in config.json), not a merged "
+                           f"one ({hint})")
+    return path.resolve()
+
+
+def check_evaluation_dir(target: str | Path) -> Evaluated:
+    """An adapter directory or a merged checkpoint, checked (nothing is loaded); AdapterError naming the directory
+    when it is neither."""
+    path = Path(target).expanduser()
+    if path.is_dir() and not (path / "adapter_config.json").exists():
+        if (path / "config.json").is_file():
+            return Evaluated(kind="merged", path=check_merged_dir(path))
+        raise AdapterError(f"{path} is neither a PEFT adapter (no adapter_config.json) nor a merged checkpoint (no "
+                           "config.json): give the `adapter/` or `merged/` directory of a fine-tune run, e.g. "
+                           "runs/<run>/adapter or runs/<run>/merged")
+    return Evaluated(kind="adapter", path=check_adapter_dir(path))
+
+
+def named_adapter(merged_dir: Path) -> Path | None:
+    """The adapter a merged checkpoint was made from, as its model card names it, when that adapter is still there
+    and the worker's policy lets this run read it; else None, with a log line saying why."""
+    card = merged_dir / "README.md"
+    try:
+        _, front, _ = card.read_text().split("---\n", 2)
+        named = (yaml.safe_load(front) or {}).get("finetune_flows", {}).get("adapter")
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        named = None
+    if not named:
+        run_logger().info("%s names no adapter (no finetune_flows.adapter in its front matter): base vs merged only",
+                          card)
+        return None
+    try:
+        check_adapter_path(named)  # read like the directory given: only where the policy allows
+        return check_adapter_dir(named)
+    except UserInputError as exc:
+        run_logger().warning("the model card names the adapter %s, which cannot be evaluated beside the merged "
+                             "checkpoint: %s", named, str(exc).replace("\n", " "))
+        return None
+
+
+def training_config(evaluated: Path) -> Path:
+    """The config the adapter (or merged checkpoint) was made with (`<run>/config.resolved.yaml`), when it is there."""
+    found = evaluated.parent / TRAINING_CONFIG
     if not found.is_file():
         raise AdapterError(f"no config given, and {found} does not exist: pass the config the adapter was "
                            "trained with (--config / parameter `config`)")
@@ -80,14 +150,17 @@ def create_eval_run_dir(cfg: FinetuneConfig) -> Path:
     return create_run_dir(cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"{cfg.run.name}-eval"})}))
 
 
-def finish_evaluation(run_dir: Path, adapter_dir: Path, report: EvalReport) -> EvaluationResult:
-    """Write eval.json and evaluation.json into the run directory and publish where the adapter is."""
-    shutil.copy(report.path, run_dir / "eval.json")
+def finish_evaluation(run_dir: Path, evaluated: Evaluated, adapter_dir: Path | None,
+                      report: EvalReport) -> EvaluationResult:
+    """Write eval.json and evaluation.json into the run directory and publish where the evaluated model is."""
+    write_atomic(run_dir / "eval.json", report.model_dump_json(indent=2))
     publish_plots(run_dir, None, report)  # <run>/plots/eval.png and the `eval-comparison` artifact
-    result = EvaluationResult(run_dir=run_dir, adapter_path=adapter_dir, eval=report)
+    result = EvaluationResult(run_dir=run_dir, adapter_path=adapter_dir, eval=report,
+                              merged_path=evaluated.path if evaluated.kind == "merged" else None)
     write_atomic(run_dir / "evaluation.json", result.model_dump_json(indent=2))  # the run's "done" marker
-    create_link_artifact(adapter_dir.as_uri(), link_text=str(adapter_dir), key="adapter-location",
-                         description="The evaluated LoRA adapter")
+    what = "LoRA adapter" if evaluated.kind == "adapter" else "merged checkpoint"
+    create_link_artifact(evaluated.path.as_uri(), link_text=str(evaluated.path), key="adapter-location",
+                         description=f"The evaluated {what}")
     create_markdown_artifact(render_evaluation(result), key="run-summary", description="Evaluation-only run summary")
     return result
 
@@ -96,19 +169,20 @@ def render_evaluation(r: EvaluationResult) -> str:
     rows = r.eval.table()
     table = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     table += ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows]
-    return (f"# Evaluation of {r.adapter_path}\n\n" + "\n".join(table)
-            + f"\n\n- {r.eval.eval_rows} held-out rows on {r.eval.device}\n- run directory: `{r.run_dir}`\n")
+    beside = f"\n- beside the adapter it was made from: `{r.adapter_path}`" if r.merged_path and r.adapter_path else ""
+    return (f"# Evaluation of {r.merged_path or r.adapter_path}\n\n" + "\n".join(table)
+            + f"\n\n- {r.eval.eval_rows} held-out rows on {r.eval.device}{beside}\n- run directory: `{r.run_dir}`\n")
 
 
 def eval_run_name() -> str:
-    """`<run name>/<model> eval <adapter's run>`: the evaluation-only flow run's name in the Prefect UI."""
+    """`<run name>/<model> eval <run>`: the evaluation-only flow run's name in the Prefect UI."""
     from prefect.runtime import flow_run
 
     params = flow_run.parameters
-    adapter = Path(str(params.get("adapter")))
-    label = adapter.parent.name if adapter.name == "adapter" else adapter.name
+    target = Path(str(params.get("adapter")))
+    label = {"adapter": target.parent.name, "merged": f"{target.parent.name} merged"}.get(target.name, target.name)
     try:
-        config = params.get("config") or training_config(check_adapter_dir(adapter))
+        config = params.get("config") or training_config(check_evaluation_dir(target).path)
         cfg = load_config(config, params.get("overrides"))
     except Exception:
         return f"eval {label}"

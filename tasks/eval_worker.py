@@ -1,14 +1,16 @@
 """Evaluation worker body: `python -m tasks.eval_worker job.json` on the selected GPUs (or the CPU).
 
-Scores base and base + adapter (one model, the adapter switched off and on): loss/perplexity on the answer
-tokens and a generation metric from greedy decoding. With the `static`/`continuous` engines the model is the
-dequantized evaluation copy of the 4-bit base (tasks/dequantize.py), placed on one GPU or, when it does not fit
-one, spread over the selected GPUs; with `generate` it is the 4-bit model, as before. The orchestrator side is
-`tasks/evaluate.py`; the engines are in `tasks/generation.py`.
+Scores base and base + adapter (one model, the adapter switched off and on), or base and a merged checkpoint
+(two plain models, loaded one after the other): loss/perplexity on the answer tokens and a generation metric from
+greedy decoding. With the `static`/`continuous` engines the base is the dequantized evaluation copy of the 4-bit
+base (tasks/dequantize.py), placed on one GPU or, when it does not fit one, spread over the selected GPUs; with
+`generate` it is the 4-bit model, as before. A merged checkpoint loads the same way, in the same dtype. The
+orchestrator side is `tasks/evaluate.py`; the engines are in `tasks/generation.py`.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -139,33 +141,64 @@ def auto_batch_tokens(model, device) -> int:
     return int(max(4096, min(2**18 if device.type == "cuda" else 2**14, budget // per_token)))
 
 
-def _load_reference(base: QuantizedModel, adapter_path: Path, plan: Plan, device, remote: bool):
-    from peft import PeftModel
+def _load_plain(path: Path, dtype, plan: Plan, device, remote: bool, engine: str):
+    """A plain (or 4-bit) checkpoint: on one device for `generate`, placed as the copy would be otherwise."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base.path, device_map={"": str(device)},
-                                                 dtype=torch_dtype(plan.compute_dtype),
-                                                 attn_implementation=plan.eval_attn, trust_remote_code=remote)
-    return PeftModel.from_pretrained(model, adapter_path).eval()
+    where = {"device_map": {"": str(device)}} if engine == "generate" else placement(path, device)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=plan.eval_attn,
+                                                trust_remote_code=remote, **where).eval()
 
 
-def _load_copy(cfg: FinetuneConfig, base: QuantizedModel, adapter_path: Path, plan: Plan, device):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
+def _load_base(cfg: FinetuneConfig, base: QuantizedModel, plan: Plan, device, engine: str):
+    """The base as evaluation scores it: the 4-bit model for `generate`, else its dequantized copy."""
+    if engine == "generate":
+        return _load_plain(base.path, torch_dtype(plan.compute_dtype), plan, device, cfg.model.trust_remote_code,
+                           engine)
     copy = dequantized_copy(base, cfg.cache_root, str(device), cfg.model.trust_remote_code)
+    return _load_plain(copy, torch_dtype(plan.eval_dtype or plan.compute_dtype), plan, device,
+                       cfg.model.trust_remote_code, engine)
+
+
+def _load_with_adapter(cfg: FinetuneConfig, base: QuantizedModel, adapter_path: Path, plan: Plan, device,
+                       engine: str):
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(_load_base(cfg, base, plan, device, engine), adapter_path).eval()
     dtype = torch_dtype(plan.eval_dtype or plan.compute_dtype)
-    model = AutoModelForCausalLM.from_pretrained(copy, dtype=dtype, attn_implementation=plan.eval_attn,
-                                                 trust_remote_code=cfg.model.trust_remote_code,
-                                                 **placement(copy, device))
-    model = PeftModel.from_pretrained(model, adapter_path).eval()
-    if device.type == "cpu" and dtype != torch_dtype(plan.compute_dtype):
+    if engine != "generate" and device.type == "cpu" and dtype != torch_dtype(plan.compute_dtype):
         # PEFT keeps adapter weights in fp32; in a bf16 CPU evaluation every adapted layer would then cast its
         # input to fp32 and back, which costs as much as the layer itself.
         for name, param in model.named_parameters():
             if "lora_" in name:
                 param.data = param.data.to(dtype)
     return model
+
+
+def _load_merged(cfg: FinetuneConfig, checkpoint: Path, plan: Plan, device, engine: str):
+    """A merged checkpoint in the dtype the base is scored in, so the two rows differ only by the weights."""
+    dtype = torch_dtype(plan.compute_dtype if engine == "generate" else plan.eval_dtype or plan.compute_dtype)
+    return _load_plain(checkpoint, dtype, plan, device, cfg.model.trust_remote_code, engine)
+
+
+def _models(job: dict, cfg: FinetuneConfig, base: QuantizedModel, plan: Plan, device, engine: str):
+    """(name, model) in scoring order. Base and base + adapter are one model with the adapter switched off, then
+    on; for a merged checkpoint the base is released before the checkpoint loads (the caller drops its reference
+    first), so only one model is ever in memory."""
+    if job.get("adapter"):
+        model = _load_with_adapter(cfg, base, Path(job["adapter"]), plan, device, engine)
+        model.base_model.disable_adapter_layers()
+        yield "base", model
+        model.base_model.enable_adapter_layers()
+        yield "adapter", model
+    else:
+        yield "base", _load_base(cfg, base, plan, device, engine)
+        yield "merged", _load_merged(cfg, Path(job["checkpoint"]), plan, device, engine)
+
+
+def _devices(model, device) -> set[str]:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {str(d) for d in (getattr(inner, "hf_device_map", None) or {"": device}).values()}
 
 
 def _evaluate(job: dict) -> dict:
@@ -175,51 +208,40 @@ def _evaluate(job: dict) -> dict:
     cfg = FinetuneConfig.model_validate(job["config"])
     plan = Plan.model_validate(job["plan"])
     base = QuantizedModel.model_validate(job["base_model"])
-    data_path, adapter_path = Path(job["data"]), Path(job["adapter"])
+    data_path = Path(job["data"])
     device = torch.device("cuda:0" if plan.device == "cuda" and torch.cuda.is_available() else "cpu")
     remote = cfg.model.trust_remote_code  # the orchestrator refused it unless the worker's policy allows it
-    tokenizer = AutoTokenizer.from_pretrained(adapter_path, trust_remote_code=remote)
+    # The tokenizer saved with the adapter or checkpoint: the one it was trained (and merged) with.
+    tokenizer = AutoTokenizer.from_pretrained(job.get("adapter") or job["checkpoint"], trust_remote_code=remote)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    engine = choose_engine(cfg.eval.engine, plan.eval_attn)  # refuses before anything loads
-    devices = {str(device)}
-    if engine == "generate":
-        model = _load_reference(base, adapter_path, plan, device, remote)
-    else:
-        model = _load_copy(cfg, base, adapter_path, plan, device)
-        devices = {str(d) for d in (getattr(model.get_base_model(), "hf_device_map", None) or {"": device}).values()}
-        engine = choose_engine(cfg.eval.engine, plan.eval_attn, len(devices))
-    kernels = apply_kernels(model, cfg.hardware.kernels)
-    batch_tokens = cfg.eval.batch_tokens or auto_batch_tokens(model, device)
-    print(f"evaluating on {device} with attn_implementation={model.config._attn_implementation}, engine {engine}"
-          + ("" if engine == "generate" else f" in {model.dtype}, {batch_tokens} tokens per batch"), flush=True)
+    requested = choose_engine(cfg.eval.engine, plan.eval_attn)  # refuses before anything loads
 
     dataset = load_split(data_path, "eval")
     pairs = [json.loads(line) for line in (data_path / "eval_prompts.jsonl").read_text().splitlines()]
     pairs = pairs[: cfg.eval.max_samples]
     prompts, references = [p["prompt"] for p in pairs], [p["reference"] for p in pairs]
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    stops = stop_token_ids(model, tokenizer)
 
-    shared, rest = shared_answers(dataset, prompt_ids) if engine == "static" else ([None] * len(prompts), dataset)
-
-    def generate() -> Generation:
-        if engine == "generate":
-            return generate_reference(model, tokenizer, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size)
-        if engine == "continuous":
-            memory = int(0.6 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 2**30
-            return generate_continuous(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id,
-                                       batch_tokens, memory)
-        return generate_static(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id,
-                               batch_tokens, cuda_graphs=None if len(devices) == 1 else False, answers=shared)
-
-    scores, answers = {}, {}
-    for name in ("base", "adapter"):
-        if name == "base":
-            model.base_model.disable_adapter_layers()
-        else:
-            model.base_model.enable_adapter_layers()
-        gen = generate() if prompts else Generation([], 0.0, 0.0)
+    scores, answers, kernelized, model = {}, {}, {}, None
+    models = _models(job, cfg, base, plan, device, requested)
+    while True:
+        model = None  # a merged checkpoint loads only after the base has left memory
+        gc.collect()
+        try:
+            name, model = next(models)
+        except StopIteration:
+            break
+        devices = _devices(model, device)
+        engine = requested if requested == "generate" else choose_engine(cfg.eval.engine, plan.eval_attn,
+                                                                          len(devices))
+        kernelized.update(apply_kernels(model, cfg.hardware.kernels)["kernelized"])
+        batch_tokens = cfg.eval.batch_tokens or auto_batch_tokens(model, device)
+        print(f"{name}: evaluating on {device} with attn_implementation={model.config._attn_implementation}, "
+              f"engine {engine}" + ("" if engine == "generate" else f" in {model.dtype}, {batch_tokens} tokens per "
+                                    "batch"), flush=True)
+        shared, rest = shared_answers(dataset, prompt_ids) if engine == "static" else ([None] * len(prompts), dataset)
+        gen = _generate(engine, model, tokenizer, prompts, prompt_ids, cfg, batch_tokens, devices, shared, device)
         if gen.failures:
             raise RuntimeError(f"{engine} engine: {len(gen.failures)} of {len(prompts)} prompts failed: "
                                + "; ".join(gen.failures[:5]))
@@ -239,17 +261,33 @@ def _evaluate(job: dict) -> dict:
                             first_result_seconds=round(gen.first_result_seconds, 3), generated_tokens=new_tokens)
         print(f"{name}: loss {loss:.4f}, {cfg.eval.metric} {scores[name]['generation_score']}, {len(generated)} "
               f"answers in {gen.seconds:.2f} s ({new_tokens / max(gen.seconds, 1e-9):.0f} tokens/s)", flush=True)
-    samples = [dict(prompt=p[-200:], reference=r, base=b, adapter=a)
-               for p, r, b, a in list(zip(prompts, references, answers["base"], answers["adapter"]))[:5]]
+        dtype, attn = str(model.dtype).removeprefix("torch."), model.config._attn_implementation
+    samples = [dict(prompt=p[-200:], reference=r, **{name: a[i] for name, a in answers.items()})
+               for i, (p, r) in enumerate(list(zip(prompts, references))[:5])]
     out = Path(job["out"])
-    report = dict(base=scores["base"], adapter=scores["adapter"], metric=cfg.eval.metric, engine=engine,
-                  dtype=str(model.dtype).removeprefix("torch."),
-                  kernelized=kernels["kernelized"],
-                  attn_implementation=model.config._attn_implementation, device=str(device),
-                  eval_rows=len(dataset), samples=samples, path=str(out), references=references, predictions=answers)
+    report = dict(**scores, metric=cfg.eval.metric, engine=engine, dtype=dtype, kernelized=kernelized,
+                  attn_implementation=attn, device=str(device), eval_rows=len(dataset), samples=samples,
+                  path=str(out), references=references, predictions=answers)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     return report
+
+
+def _generate(engine: str, model, tokenizer, prompts: list[str], prompt_ids: list[list[int]], cfg: FinetuneConfig,
+              batch_tokens: int, devices: set[str], shared: list, device) -> Generation:
+    if not prompts:
+        return Generation([], 0.0, 0.0)
+    if engine == "generate":
+        return generate_reference(model, tokenizer, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+    stops = stop_token_ids(model, tokenizer)
+    if engine == "continuous":
+        import torch
+
+        memory = int(0.6 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 2**30
+        return generate_continuous(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id,
+                                   batch_tokens, memory)
+    return generate_static(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id, batch_tokens,
+                           cuda_graphs=None if len(devices) == 1 else False, answers=shared)
 
 
 if __name__ == "__main__":

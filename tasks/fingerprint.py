@@ -24,6 +24,8 @@ STEP_LIBRARIES: dict[str, tuple[str, ...]] = {
                       "flash-attn-3", "flash-attn-4"),
     "evaluate-adapter": ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "flash-attn", "flash-attn-3",
                          "flash-attn-4"),
+    "evaluate-checkpoint": ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "flash-attn",
+                            "flash-attn-3", "flash-attn-4"),  # the same worker: peft only for the adapter's row
     "merge-adapter": ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors"),
 }
 
@@ -34,6 +36,7 @@ STEP_CODE: dict[str, tuple[str, ...]] = {
     "quantize-base-model": ("quantize", "models"),
     "train-adapter": ("train", "train_worker", "packing", "attention", "planner", "distributed"),
     "evaluate-adapter": ("evaluate", "eval_worker", "metrics", "generation", "dequantize"),
+    "evaluate-checkpoint": ("evaluate", "eval_worker", "metrics", "generation", "dequantize"),
     "merge-adapter": ("export", "dequantize"),
 }
 

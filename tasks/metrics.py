@@ -26,12 +26,13 @@ def rates(predictions: list[str], references: list[str]) -> dict[str, float]:
     return {m: sum(score_answer(p, r, m) for p, r in pairs) / len(pairs) for m in METRICS}
 
 
-def explain(base: dict[str, float], adapter: dict[str, float]) -> str:
-    """One paragraph on what the base model's score means: format (right answer, other form) vs ability."""
+def explain(base: dict[str, float], adapter: dict[str, float], name: str = "base + adapter") -> str:
+    """One paragraph on what the base model's score means: format (right answer, other form) vs ability.
+    `name`: the fine-tuned model's row (base + adapter, or a merged checkpoint)."""
     if not base:
         return "No generation metrics: the data has no prompts to answer (text format)."
     e, c = base["exact_match"], base["contains"]
-    text = (f"Base model: exact match {e:.2f}, contains {c:.2f}. Base + adapter: exact match "
+    text = (f"Base model: exact match {e:.2f}, contains {c:.2f}. {name[0].upper() + name[1:]}: exact match "
             f"{adapter['exact_match']:.2f}, contains {adapter['contains']:.2f}. ")
     if c - e > 0:
         text += (f"In {c - e:.0%} of the prompts the base model names the right answer without giving exactly it "

@@ -36,7 +36,9 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
     versions = [f"| {k} | {v} |" for k, v in env.versions.items() if v and k != "torch"]
     lines = [
         "---", f"base_model: {cfg.model.source}", "library_name: transformers",
-        "tags: [finetune-flows, qlora, lora, merged]", "---", "",
+        "tags: [finetune-flows, qlora, lora, merged]",
+        # flows/evaluate.py reads this to evaluate the checkpoint beside the adapter it was made from
+        "finetune_flows:", f"  adapter: {json.dumps(str(adapter))}", "---", "",
         f"# {name}", "",
         f"`{cfg.model.source}` fine-tuned with QLoRA by finetune-flows, the LoRA adapter merged into the weights. "
         "A standalone checkpoint: no peft, no bitsandbytes needed to load it.", "",
@@ -61,7 +63,9 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
         f"{merged.parameters / 1e6:.1f}M parameters, {merged.size_mb:.1f} MiB.", "",
         "## Reproduce", "",
         "```bash", f"python flows/finetune.py --config {config_file}   # train, evaluate and merge again",
-        f"python flows/export.py --adapter {adapter}   # merge this adapter again", "```", "",
+        f"python flows/export.py --adapter {adapter}   # merge this adapter again",
+        f"python flows/evaluate.py --merged {merged.path}   # evaluate this checkpoint (beside base and the adapter)",
+        "```", "",
         "## Versions", "", "| package | version |", "|---|---|", f"| python | {env.python} |",
         f"| torch | {env.torch} (CUDA {env.cuda_version}) |", *versions, "",
         "## Configuration", "", "```yaml", cfg.to_yaml().rstrip(), "```", "",

@@ -14,7 +14,7 @@ from pathlib import Path
 from tasks.evaluate import EvalReport
 from tasks.train import TrainResult
 
-TRAIN_COLOR, BASE_COLOR, ADAPTER_COLOR = "#1f77b4", "#7f7f7f", "#d62728"
+TRAIN_COLOR, BASE_COLOR, ADAPTER_COLOR, MERGED_COLOR = "#1f77b4", "#7f7f7f", "#d62728", "#2ca02c"
 
 
 def _pyplot():
@@ -61,18 +61,22 @@ def plot_loss(train: TrainResult, report: EvalReport | None, path: Path) -> Path
 
 
 def plot_eval(report: EvalReport, path: Path) -> Path:
-    """Base and base + adapter side by side: held-out loss, perplexity and the generation metric."""
+    """Base and base + adapter (and a merged checkpoint) side by side: held-out loss, perplexity and the
+    generation metric."""
     plt = _pyplot()
-    panels = [("held-out loss", report.base.loss, report.adapter.loss, "{:.3f}"),
-              ("perplexity", report.base.perplexity, report.adapter.perplexity, "{:.2f}")]
-    if report.base.generation_score is not None and report.adapter.generation_score is not None:
-        panels.append((report.metric, report.base.generation_score, report.adapter.generation_score, "{:.2f}"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(2.6 * len(panels) + 0.6, 3.0))
-    for ax, (title, base, adapter, fmt) in zip(axes, panels):
-        bars = ax.bar(["base", "+ adapter"], [base, adapter], color=[BASE_COLOR, ADAPTER_COLOR], width=0.6)
-        ax.bar_label(bars, labels=[fmt.format(base), fmt.format(adapter)], fontsize=8)
+    models = report.models()
+    labels = [{"base": "base", "adapter": "+ adapter"}.get(key, key) for key, _, _ in models]
+    colors = [{"base": BASE_COLOR, "adapter": ADAPTER_COLOR}.get(key, MERGED_COLOR) for key, _, _ in models]
+    panels = [("held-out loss", [s.loss for _, _, s in models], "{:.3f}"),
+              ("perplexity", [s.perplexity for _, _, s in models], "{:.2f}")]
+    if all(s.generation_score is not None for _, _, s in models):
+        panels.append((report.metric, [s.generation_score for _, _, s in models], "{:.2f}"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.3 * len(models) * len(panels) + 0.6, 3.0))
+    for ax, (title, values, fmt) in zip(axes, panels):
+        bars = ax.bar(labels, values, color=colors, width=0.6)
+        ax.bar_label(bars, labels=[fmt.format(v) for v in values], fontsize=8)
         ax.set_title(title, fontsize=10)
-        if title == "perplexity" and max(base, adapter) / max(min(base, adapter), 1e-6) > 30:
+        if title == "perplexity" and max(values) / max(min(values), 1e-6) > 30:
             ax.set_yscale("log")
         if title == report.metric:
             ax.set_ylim(0, 1.1)
@@ -113,8 +117,10 @@ def publish_plots(run_dir: Path, train: TrainResult | None, report: EvalReport) 
             key="loss-curve", description="Training loss per step, held-out loss before and after")
         written.append(loss)
     comparison = plot_eval(report, run_dir / "plots" / "eval.png")
+    versus = " vs ".join(name for _, name, _ in report.models())
     create_markdown_artifact(
-        image_markdown(TITLES[comparison.name], comparison, f"`{comparison}`"),
-        key="eval-comparison", description="Held-out evaluation: base model vs base + adapter")
+        image_markdown(TITLES[comparison.name] if report.merged is None else versus.capitalize(), comparison,
+                       f"`{comparison}`"),
+        key="eval-comparison", description=f"Held-out evaluation: {versus}")
     written.append(comparison)
     return written

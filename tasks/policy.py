@@ -222,7 +222,8 @@ def worker_environment(env: dict[str, str]) -> dict[str, str]:
 
 
 def check_adapter_path(adapter: str | Path) -> None:
-    """An adapter to evaluate must lie under the policy's output or cache roots (checked before it is read)."""
+    """An adapter or merged checkpoint to evaluate (or export) must lie under the policy's output or cache roots
+    (checked before it is read)."""
     policy = current_policy()
     if policy is not None:
         problem = _path_problem(policy, "adapter", adapter, "output_roots or cache_roots",

@@ -15,7 +15,8 @@ import tasks.fingerprint as fingerprint
 from tasks.config import DataConfig, EvalConfig, LoraConfig, QuantizationConfig, TrainConfig, load_config
 from tasks.dataset import PreparedDataset, data_fingerprint
 from tasks.environment import Plan
-from tasks.evaluate import eval_fingerprint
+from tasks.fingerprint import combine
+from tasks.evaluate import checkpoint_key_parts, eval_fingerprint
 from tasks.models import materialize_tokenizer
 from tasks.quantize import QuantizedModel, quantize_fingerprint
 from tasks.train import TRAIN_KEYS_NOT_IN_CACHE_KEY, train_fingerprint
@@ -221,3 +222,27 @@ def test_evaluate_adapter_row(tmp_path, monkeypatch):
             != keys.reference
     keys.assert_not_in_key(["train.learning_rate=1e-3", "lora.r=4", *NOT_IN_ANY])
     keys.assert_library_and_code_in_key(monkeypatch, "evaluate-adapter", tmp_path, cfg)
+
+
+def test_evaluate_checkpoint_row(tmp_path, monkeypatch):
+    row = readme_row("evaluate-checkpoint")
+    for named in ("dataset", "4-bit base", "checkpoint's files", "model card", "`eval.*`", "attention", "device",
+                  "`tasks/evaluate.py`", "`tasks/eval_worker.py`", "`train.*`", "`export.*`", "`run.*`"):
+        assert named in row, named
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for name, content in (("model.safetensors", "w1"), ("config.json", "{}"), ("README.md", "card 1")):
+        (merged / name).write_text(content)
+    keys = Keys(lambda cfg: combine(checkpoint_key_parts(cfg, dataset(), base_model(), merged, PLAN)), [])
+    cfg = load_config(None)
+    keys.assert_in_key(section_overrides("eval", EvalConfig, cfg))
+    assert combine(checkpoint_key_parts(cfg, dataset("d2"), base_model(), merged, PLAN)) != keys.reference
+    assert combine(checkpoint_key_parts(cfg, dataset(), base_model("b2"), merged, PLAN)) != keys.reference
+    elsewhere = tmp_path / "cache" / "merged" / "abc"  # another copy, another card: the same checkpoint
+    shutil.copytree(merged, elsewhere)
+    (elsewhere / "README.md").write_text("card 2")
+    assert combine(checkpoint_key_parts(cfg, dataset(), base_model(), elsewhere, PLAN)) == keys.reference
+    (elsewhere / "model.safetensors").write_text("w2")
+    assert combine(checkpoint_key_parts(cfg, dataset(), base_model(), elsewhere, PLAN)) != keys.reference
+    keys.assert_not_in_key(["train.learning_rate=1e-3", "lora.r=4", "export.dtype=float32", *NOT_IN_ANY])
+    keys.assert_library_and_code_in_key(monkeypatch, "evaluate-checkpoint", tmp_path, cfg)

@@ -87,8 +87,34 @@ def test_evaluate_refuses_a_directory_that_is_not_an_adapter(tmp_path, capsys):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(AdapterError, match="no adapter_config.json, no adapter_model.safetensors"):
         check_adapter_dir(tmp_path)
+    (tmp_path / "adapter_config.json").write_text("{}")
     assert main(["--adapter", str(tmp_path)]) == 2  # before any Prefect run or model load
     assert "not a PEFT adapter directory" in capsys.readouterr().err
+
+
+def test_evaluate_refuses_a_directory_that_is_neither_adapter_nor_checkpoint(tmp_path):
+    """One line, exit status 2, and neither torch nor transformers imported: nothing was loaded."""
+    import subprocess
+
+    from tasks.adapters import AdapterError, check_evaluation_dir
+
+    neither = tmp_path / "neither"
+    neither.mkdir()
+    (neither / "tokenizer_config.json").write_text("{}")
+    probe = ("import sys; from flows.evaluate import main; code = main(['--merged', sys.argv[1]]); "
+             "print(code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe, str(neither)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.split() == ["2", "False", "False"], done
+    assert done.stderr.splitlines() == [
+        f"error: {neither} is neither a PEFT adapter (no adapter_config.json) nor a merged checkpoint (no "
+        "config.json): give the `adapter/` or `merged/` directory of a fine-tune run, e.g. runs/<run>/adapter or "
+        "runs/<run>/merged"]
+    (neither / "config.json").write_text("{}")  # a config without weights is no checkpoint either
+    with pytest.raises(AdapterError, match=rf"{neither} is not a merged checkpoint: no model weights"):
+        check_evaluation_dir(neither)
+    (neither / "model.safetensors").write_bytes(b"")
+    assert check_evaluation_dir(neither).kind == "merged"
 
 
 # ---------------------------------------------------------------- the real stack

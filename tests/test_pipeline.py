@@ -237,3 +237,40 @@ def test_export_flow_merges_an_existing_adapter(first_run, capsys):
     card = (merged / "README.md").read_text()
     assert f"| base + adapter | {result.eval.table()[1]['eval loss']} |" in card  # the adapter's run's eval table
     assert f"python flows/export.py --adapter {result.adapter_path}" in card
+
+
+def test_evaluate_flow_scores_the_merged_checkpoint_beside_base_and_adapter(first_run, capsys):
+    """`flows/evaluate.py --merged runs/<run>/merged`: the merged row next to base + adapter, on the same rows."""
+    from flows.evaluate import main as evaluate_main
+    from tasks.adapters import EvaluationResult
+    from tasks.evaluate import EvalReport, checkpoint_fingerprint
+
+    result, runs, _ = first_run
+    merged = result.run_dir / "merged"
+    card = (merged / "README.md").read_text()
+    assert f"python flows/evaluate.py --merged {merged}" in card
+    assert evaluate_main(["--merged", str(merged)]) == 0
+    assert f"# Evaluation of {merged}" in capsys.readouterr().out
+    (done,) = [p for p in runs.glob("tiny-eval-*/evaluation.json")
+               if EvaluationResult.model_validate_json(p.read_text()).merged_path == merged]
+    evaluation = EvaluationResult.model_validate_json(done.read_text())
+    report = evaluation.eval
+    assert evaluation.adapter_path == result.run_dir / "adapter"  # named by the card, evaluated beside it
+    assert [row["model"] for row in report.table()] == ["base", "base + adapter", "merged"]
+    # The adapter's rows are the fine-tune run's own evaluation (same inputs, so the same store entry).
+    for ours, theirs in ((report.base, result.eval.base), (report.adapter, result.eval.adapter)):
+        assert ours.loss == pytest.approx(theirs.loss, rel=1e-6) and ours.generation_score == theirs.generation_score
+    # The checkpoint's own entry scored the base too, on the same rows with the same engine: the same number.
+    alone = EvalReport.model_validate_json(Path(report.path).read_text())
+    assert alone.adapter is None and alone.base.loss == pytest.approx(report.base.loss, rel=1e-6)
+    # The merged model computes what base + adapter computes, up to its weights rounded to bf16 (export.dtype):
+    # held-out loss within 0.1% (measured: 6.71874 vs 6.71879, 8e-6 relative; the base is 2.8% away) and the
+    # same greedy answers (after 6 steps the tiny model's answers are alike for every model: the loss is the test).
+    assert report.merged.loss == pytest.approx(report.adapter.loss, rel=1e-3)
+    assert abs(report.merged.loss - report.base.loss) > 10 * abs(report.merged.loss - report.adapter.loss)
+    assert report.merged.generated == report.adapter.generated == 8
+    assert report.predictions["merged"] == report.predictions["adapter"]
+    assert report.merged.generation_score == report.adapter.generation_score
+    assert json.loads((done.parent / "eval.json").read_text())["merged"]["loss"] == report.merged.loss
+    # Keyed by content: the cache entry it was linked from is the same checkpoint; the card is not part of it.
+    assert checkpoint_fingerprint(merged) == checkpoint_fingerprint(result.merged.cache_path)

@@ -6,6 +6,7 @@ tests/test_policy_deployments.py checks the same refusals through real deploymen
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -117,6 +118,33 @@ def test_the_config_file_and_the_adapter_are_checked_before_they_are_read(host):
     with pytest.raises(PolicyError, match="adapter=.* outside the policy's output_roots or cache_roots"):
         check_adapter_path(host / "outside")
     check_adapter_path(host / "runs" / "some-run" / "adapter")
+
+
+def test_an_adapter_named_by_a_merged_checkpoints_card_is_read_only_inside_the_roots(host):
+    """The card is data: the adapter it names is read like the directory given, or left out (with a log line)."""
+    from tasks.adapters import named_adapter
+
+    def merged_naming(adapter: Path) -> Path:
+        merged = host / "runs" / "some-run" / "merged"
+        merged.mkdir(parents=True, exist_ok=True)
+        (merged / "README.md").write_text(f"---\nbase_model: x\nfinetune_flows:\n  adapter: {json.dumps(str(adapter))}"
+                                          "\n---\n\n# card\n")
+        return merged
+
+    for where in (host / "outside" / "adapter", host / "runs" / "some-run" / "adapter"):
+        where.mkdir(parents=True)
+        for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"):
+            (where / name).write_text("{}")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("finetune_flows").addHandler(handler)  # run_logger() outside a flow run
+    try:
+        assert named_adapter(merged_naming(host / "outside" / "adapter")) is None
+    finally:
+        logging.getLogger("finetune_flows").removeHandler(handler)
+    assert "outside the policy's output_roots or cache_roots" in records[0].getMessage()
+    assert named_adapter(merged_naming(host / "runs" / "some-run" / "adapter")) == host / "runs" / "some-run" / "adapter"
 
 
 def test_a_policy_that_does_not_parse_refuses_everything(host):
