@@ -49,8 +49,10 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(PY) flows/finetune.py $(ARGS)
 
+# Two pytest-xdist workers (a test file stays on one worker: its module fixtures are shared); TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 test: setup test-deps
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # GPU hosts: GPU_PY=python3 runs with an interpreter that already has the stack (e.g. an offline GPU image)
 # instead of setting up .venv.

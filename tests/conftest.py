@@ -17,8 +17,10 @@ os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect-home")
 os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(_SESSION_TMP / "prefect-storage")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
-# A shared cache for the generated tiny model and tokenizer, so tests build them once.
-os.environ["FINETUNE_FLOWS_TEST_CACHE"] = str(_SESSION_TMP / "cache")
+# A shared cache for the generated tiny model and tokenizer, so tests build them once. Under pytest-xdist
+# (`make test`) the controller sets it before it starts the workers, so they share one cache (each its own Prefect
+# home); the store's per-entry locks make concurrent use safe, as for concurrent runs.
+os.environ.setdefault("FINETUNE_FLOWS_TEST_CACHE", str(_SESSION_TMP / "cache"))
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,3 +84,4 @@ def kill_rank_after_checkpoint(adapters: Path, rank: int, checkpoint_glob: str, 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     return thread, killed
+

@@ -1,9 +1,9 @@
-"""The fault suite: each fault injected for real into the real pipeline (tiny generated model, CPU, real Prefect,
-real torchrun), and the outcome checked. The README's fault table lists them.
+"""The fault suite, inside the training ranks and on the disk: each fault injected for real into the real pipeline
+(tiny generated model, CPU, real Prefect, real torchrun) and the outcome checked. The README's fault table lists
+the whole suite (also tests/test_faults_signals.py and tests/test_faults_stack.py).
 
-Faults inside the training ranks are injected through FINETUNE_FLOWS_FAULTS (tasks/lifecycle.py: a real
-torch.OutOfMemoryError, a real SIGKILL); faults from outside (signals to the flow process, cancellation through the
-API, a server restart, a full disk, concurrent starts) are done to real processes from here.
+Faults inside the ranks are injected through FINETUNE_FLOWS_FAULTS (tasks/lifecycle.py: a real
+torch.OutOfMemoryError, a real SIGKILL); the full disk is a size-limited tmpfs.
 """
 
 from __future__ import annotations
@@ -11,30 +11,18 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
+from fault_support import overrides
 from flows.finetune import finetune
 from tasks.errors import DiskFull
 from tasks.gpus import read_inventory
 from tasks.lifecycle import FAULTS_ENV
-from tasks.processes import ProcessId, parent_of, read_record, tree, wait_gone
 from tasks.train_worker import checkpoint_is_complete
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def overrides(cache, runs, **extra):
-    """Short runs that checkpoint every 2 steps and evaluate on 4 rows; each test its own seed (its own adapter)."""
-    return tiny_overrides(cache, runs, **{"train.max_steps": 8, "train.save_steps": 2, "train.save_total_limit": 10,
-                                          "train.logging_steps": 1, "eval.max_samples": 4, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -126,225 +114,6 @@ def test_full_disk_while_saving_a_checkpoint_is_one_clear_error_and_loses_nothin
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     result = finetune(None, args)
     assert result.train.resumed_from_step == saved[-1] and result.train.steps == 8
-
-
-# ---------------------------------------------------------------- the flow process stopped from outside
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **extra}
-
-
-def start_cli(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    """`python flows/finetune.py` on the defaults plus `args`, as the in-process `finetune(None, args)` runs it."""
-    defaults = log.parent / "defaults.yaml"
-    defaults.write_text("{}\n")
-    argv = [sys.executable, "flows/finetune.py", "--config", str(defaults), *(x for a in args for x in ("--set", a))]
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-
-
-def training_in_progress(cache: Path, seed: int, min_step: int, timeout: float = 600) -> tuple[Path, ProcessId]:
-    """The adapter directory of the run trained with `seed`, once its rank 0 runs and has passed min_step."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for job in cache.glob("adapters/*/train.job.json"):
-            out = job.parent
-            try:
-                same = json.loads(job.read_text())["config"]["train"]["seed"] == seed
-                attempt = json.loads((out / "attempts.json").read_text())[-1]
-            except (OSError, ValueError, KeyError, IndexError):
-                continue
-            rank = read_record(out / "ranks" / "rank-0.pid")
-            if same and rank and attempt["outcome"] == "running" and (attempt["last_step"] or 0) >= min_step:
-                return out, rank
-        time.sleep(0.2)
-    raise TimeoutError(f"no training with seed {seed} reached step {min_step}")
-
-
-def device_slot(name: str):
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        return client.read_global_concurrency_limit_by_name(name)
-
-
-@pytest.fixture
-def device_slots(prefect_server):
-    """This host's device limits on the test server (one per GPU, and the CPU's), as `make deploy` creates them;
-    removed afterwards."""
-    from prefect.client.orchestration import get_client
-
-    from tasks.concurrency import ensure_device_limits
-
-    names = ensure_device_limits()
-    yield names
-    with get_client(sync_client=True) as client:
-        for name in names:
-            client.delete_global_concurrency_limit_by_name(name)
-
-
-def stop_a_cli_run(cache: Path, tmp_path: Path, sig: int, slots: list[str], seed: int, **extra) -> tuple[list, int]:
-    """Start a CLI run against the test server, signal the flow process once training runs, check that every
-    process of the run is gone and every device slot free when the command exits, and that the ranks saved one
-    checkpoint on the way out. Returns the run's overrides and that checkpoint's step."""
-    from prefect.settings import PREFECT_API_URL
-
-    args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": 100,
-                                                  "train.seed": seed, "hardware.stop_grace_seconds": 30, **extra})
-    proc = start_cli(args, cli_env(PREFECT_API_URL=PREFECT_API_URL.value()), tmp_path / "cli.log")
-    try:
-        out, rank = training_in_progress(cache, seed, min_step=3)
-        members = tree(proc.pid)  # the flow process, torchrun, the ranks
-        assert rank in members and len(members) >= 3, members
-        assert sum(device_slot(n).active_slots for n in slots) >= 1
-        stopped = time.monotonic()
-        proc.send_signal(sig)
-        assert proc.wait(timeout=120) == 128 + sig, (tmp_path / "cli.log").read_text()[-3000:]
-        took = time.monotonic() - stopped
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert not [m for m in members if m.is_running()], "a process of the run outlived it"
-    assert took < 30 + 15, f"stopping took {took:.0f} s, more than the grace period"  # 15 s: slack for a loaded box
-    assert all(device_slot(n).active_slots == 0 for n in slots)
-    log = (tmp_path / "cli.log").read_text()
-    assert f"stopped by {signal.Signals(sig).name}" in log and "Traceback" not in log.split("stopped by")[-1]
-    saved = [p for p in (out / "checkpoints").glob("checkpoint-*") if checkpoint_is_complete(p)]
-    assert len(saved) == 1, "the ranks did not save a checkpoint when asked to stop"  # save_steps is 100
-    step = int(saved[0].name.split("-")[1])
-    assert json.loads((out / "attempts.json").read_text())[-1]["outcome"].startswith("stopped (")
-    assert "received SIGTERM: saving a checkpoint" in (out / "train.log").read_text()
-    assert not list((out / "ranks").glob("*.pid")), "a rank left its PID record behind"
-    print(f"FAULT {signal.Signals(sig).name}: every process gone and the CLI exited {took:.1f} s after the signal; "
-          f"checkpoint-{step}")
-    return args, step
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_to_the_flow_process_stops_every_worker_frees_the_slot_and_the_next_run_resumes(
-        cache, tmp_path, device_slots, sig):
-    args, step = stop_a_cli_run(cache, tmp_path, sig, device_slots, seed=500 + sig)
-    if sig == signal.SIGTERM:  # the next run resumes from that checkpoint and finishes
-        result = finetune(None, args)
-        assert result.train.resumed_from_step == step and result.train.steps == 60
-        first, last = result.train.attempts[0], result.train.attempts[-1]
-        assert first["tokens"] > 0 and result.train.train_tokens == first["tokens"] + last["tokens"] == (
-            result.train.last_attempt_tokens + first["tokens"])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not read_inventory(), reason="needs an NVIDIA GPU (NVML finds none)")
-def test_sigterm_stops_every_gpu_rank_at_the_same_step_and_the_next_run_resumes(cache, tmp_path, device_slots):
-    """On every GPU of the host (NCCL when there are two or more): the stop flag goes through NCCL's all-reduce."""
-    args, step = stop_a_cli_run(cache, tmp_path, signal.SIGTERM, device_slots, seed=801, **{"hardware.gpus": "auto"})
-    result = finetune(None, args)
-    assert result.train.resumed_from_step == step and result.train.rank_steps == [60] * len(read_inventory())
-
-
-# ---------------------------------------------------------------- several CLI runs at once on a fresh Prefect home
-
-
-@pytest.fixture(scope="module")
-def warm_cache(prefect_server, cache, tmp_path_factory):
-    """Every step of the concurrent runs already in the cache, so they contend only for Prefect itself."""
-    args = overrides(cache, tmp_path_factory.mktemp("warm-runs"), **{"train.seed": 601})
-    finetune(None, args)
-    return args
-
-
-@pytest.mark.parametrize("n", [2, 4])
-def test_cli_runs_started_in_the_same_second_on_a_fresh_prefect_home_all_finish(warm_cache, tmp_path, n):
-    env = {k: v for k, v in cli_env().items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "fresh-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    started = time.monotonic()
-    procs = [start_cli(warm_cache, env, tmp_path / f"cli-{i}.log") for i in range(n)]
-    try:
-        codes = [p.wait(timeout=900) for p in procs]
-        print(f"FAULT {n} CLI runs at once on a fresh Prefect home: exit codes {codes} after "
-              f"{time.monotonic() - started:.0f} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    logs = [(tmp_path / f"cli-{i}.log").read_text() for i in range(n)]
-    assert codes == [0] * n, "\n\n".join(log[-2500:] for log in logs)
-    assert not any("Timed out while attempting to connect" in log for log in logs)
-    run_dirs = {json.loads(line)["run_dir"] for log in logs for line in log.splitlines()
-                if line.startswith('{"run_dir"')}
-    assert len(run_dirs) == n and all((Path(d) / "summary.json").is_file() for d in run_dirs)
-
-
-# ---------------------------------------------------------------- deployments: cancel through the API, server restart
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, shared_cache):
-    """A real server, `make deploy` (work pool, this host's device limits, deployments) and `make worker`."""
-    from tests.deploy_support import running_stack
-
-    base = tmp_path_factory.getbasetemp()  # its deployment runs write outputs in temporary directories
-    roots = {"output_roots": [base], "cache_roots": [base, shared_cache], "config_roots": [base], "data_roots": [base]}
-    with running_stack(tmp_path_factory.mktemp("fault-stack"), allow=roots) as s:
-        yield s
-
-
-def run_processes(rank: ProcessId) -> list[ProcessId]:
-    """The rank, torchrun above it, and the flow-run process above that."""
-    chain = [rank.pid]
-    for _ in range(2):
-        chain.append(parent_of(chain[-1]))
-    return [ident for pid in chain if pid and (ident := ProcessId.of(pid))]
-
-
-def stack_slot(stack) -> int:
-    from tasks.concurrency import slot_names
-
-    with stack.client() as client:
-        return client.read_global_concurrency_limit_by_name(slot_names([])[0]).active_slots
-
-
-def finished_state(stack, run_id: str, timeout: float = 900) -> str:
-    return stack.wait_for([run_id], timeout=timeout)[run_id].state.type.value
-
-
-def deployment_training(stack, cache: Path, tmp_path: Path, seed: int, save_steps: int):
-    """An on-demand deployment run of 60 steps, returned once it trains: (overrides, flow run id, output, rank 0)."""
-    args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": save_steps,
-                                                  "train.seed": seed, "hardware.gpus": "cpu"})
-    run_id = stack.deployment_run("finetune/on-demand", overrides=args)
-    return (args, run_id, *training_in_progress(cache, seed, min_step=3))
-
-
-def test_cancel_through_the_api_stops_every_worker_frees_the_slot_and_the_next_run_resumes(stack, cache, tmp_path):
-    args, run_id, out, rank = deployment_training(stack, cache, tmp_path, seed=701, save_steps=100)
-    members = run_processes(rank)
-    assert len(members) == 3 and stack_slot(stack) == 1
-    cancelled = time.monotonic()
-    stack.run([str(Path(sys.executable).parent / "prefect"), "flow-run", "cancel", run_id])
-    assert wait_gone(members, 30 + 30), f"processes of the cancelled run still there: {members}"
-    took = time.monotonic() - cancelled
-    assert finished_state(stack, run_id) == "CANCELLED"
-    assert stack_slot(stack) == 0
-    (saved,) = [p for p in (out / "checkpoints").glob("checkpoint-*") if checkpoint_is_complete(p)]
-    step = int(saved.name.split("-")[1])
-    print(f"FAULT cancel via API: all processes gone {took:.1f} s after `prefect flow-run cancel`; checkpoint-{step}")
-
-    again = stack.deployment_run("finetune/on-demand", overrides=args)
-    assert finished_state(stack, again) == "COMPLETED", stack.logs_of(again)[-20:]
-    metrics = json.loads((out / "train_metrics.json").read_text())
-    assert metrics["resumed_from_step"] == step and metrics["steps"] == 60
-
-
-def test_a_server_restart_during_training_the_run_finishes_or_resumes(stack, cache, tmp_path):
-    args, run_id, out, _ = deployment_training(stack, cache, tmp_path, seed=702, save_steps=10)
-    stack.restart_server(down_seconds=10)
-    state = finished_state(stack, run_id)
-    if state != "COMPLETED":  # the run could not report to the server: the next one must pick up its checkpoints
-        again = stack.deployment_run("finetune/on-demand", overrides=args)
-        assert finished_state(stack, again) == "COMPLETED", stack.logs_of(again)[-20:]
-    metrics = json.loads((out / "train_metrics.json").read_text())
-    assert metrics["steps"] == 60
-    print(f"FAULT server restart: first run {state}; resumed_from_step={metrics['resumed_from_step']}")
 
 
 # ---------------------------------------------------------------- GPU tier: a real CUDA out-of-memory

@@ -1,0 +1,134 @@
+"""The fault suite, from outside the flow process: SIGTERM/SIGINT to a running CLI run, and several CLI runs started
+in the same second on a fresh Prefect home (real processes, real Prefect server, real torchrun).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from fault_support import cli_env, device_slot, overrides, start_cli, training_in_progress
+from flows.finetune import finetune
+from tasks.gpus import read_inventory
+from tasks.processes import tree
+from tasks.train_worker import checkpoint_is_complete
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cache(shared_cache):
+    return shared_cache / "faults"
+
+
+# ---------------------------------------------------------------- the flow process stopped from outside
+
+
+@pytest.fixture
+def device_slots(prefect_server):
+    """This host's device limits on the test server (one per GPU, and the CPU's), as `make deploy` creates them;
+    removed afterwards."""
+    from prefect.client.orchestration import get_client
+
+    from tasks.concurrency import ensure_device_limits
+
+    names = ensure_device_limits()
+    yield names
+    with get_client(sync_client=True) as client:
+        for name in names:
+            client.delete_global_concurrency_limit_by_name(name)
+
+
+def stop_a_cli_run(cache: Path, tmp_path: Path, sig: int, slots: list[str], seed: int, **extra) -> tuple[list, int]:
+    """Start a CLI run against the test server, signal the flow process once training runs, check that every
+    process of the run is gone and every device slot free when the command exits, and that the ranks saved one
+    checkpoint on the way out. Returns the run's overrides and that checkpoint's step."""
+    from prefect.settings import PREFECT_API_URL
+
+    args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": 100,
+                                                  "train.seed": seed, "hardware.stop_grace_seconds": 30, **extra})
+    proc = start_cli(args, cli_env(PREFECT_API_URL=PREFECT_API_URL.value()), tmp_path / "cli.log")
+    try:
+        out, rank = training_in_progress(cache, seed, min_step=3)
+        members = tree(proc.pid)  # the flow process, torchrun, the ranks
+        assert rank in members and len(members) >= 3, members
+        assert sum(device_slot(n).active_slots for n in slots) >= 1
+        stopped = time.monotonic()
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == 128 + sig, (tmp_path / "cli.log").read_text()[-3000:]
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not [m for m in members if m.is_running()], "a process of the run outlived it"
+    assert took < 30 + 15, f"stopping took {took:.0f} s, more than the grace period"  # 15 s: slack for a loaded box
+    assert all(device_slot(n).active_slots == 0 for n in slots)
+    log = (tmp_path / "cli.log").read_text()
+    assert f"stopped by {signal.Signals(sig).name}" in log and "Traceback" not in log.split("stopped by")[-1]
+    saved = [p for p in (out / "checkpoints").glob("checkpoint-*") if checkpoint_is_complete(p)]
+    assert len(saved) == 1, "the ranks did not save a checkpoint when asked to stop"  # save_steps is 100
+    step = int(saved[0].name.split("-")[1])
+    assert json.loads((out / "attempts.json").read_text())[-1]["outcome"].startswith("stopped (")
+    assert "received SIGTERM: saving a checkpoint" in (out / "train.log").read_text()
+    assert not list((out / "ranks").glob("*.pid")), "a rank left its PID record behind"
+    print(f"FAULT {signal.Signals(sig).name}: every process gone and the CLI exited {took:.1f} s after the signal; "
+          f"checkpoint-{step}")
+    return args, step
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_to_the_flow_process_stops_every_worker_frees_the_slot_and_the_next_run_resumes(
+        cache, tmp_path, device_slots, sig):
+    args, step = stop_a_cli_run(cache, tmp_path, sig, device_slots, seed=500 + sig)
+    if sig == signal.SIGTERM:  # the next run resumes from that checkpoint and finishes
+        result = finetune(None, args)
+        assert result.train.resumed_from_step == step and result.train.steps == 60
+        first, last = result.train.attempts[0], result.train.attempts[-1]
+        assert first["tokens"] > 0 and result.train.train_tokens == first["tokens"] + last["tokens"] == (
+            result.train.last_attempt_tokens + first["tokens"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not read_inventory(), reason="needs an NVIDIA GPU (NVML finds none)")
+def test_sigterm_stops_every_gpu_rank_at_the_same_step_and_the_next_run_resumes(cache, tmp_path, device_slots):
+    """On every GPU of the host (NCCL when there are two or more): the stop flag goes through NCCL's all-reduce."""
+    args, step = stop_a_cli_run(cache, tmp_path, signal.SIGTERM, device_slots, seed=801, **{"hardware.gpus": "auto"})
+    result = finetune(None, args)
+    assert result.train.resumed_from_step == step and result.train.rank_steps == [60] * len(read_inventory())
+
+
+# ---------------------------------------------------------------- several CLI runs at once on a fresh Prefect home
+
+
+@pytest.fixture(scope="module")
+def warm_cache(prefect_server, cache, tmp_path_factory):
+    """Every step of the concurrent runs already in the cache, so they contend only for Prefect itself."""
+    args = overrides(cache, tmp_path_factory.mktemp("warm-runs"), **{"train.seed": 601})
+    finetune(None, args)
+    return args
+
+
+@pytest.mark.parametrize("n", [2])
+def test_cli_runs_started_in_the_same_second_on_a_fresh_prefect_home_all_finish(warm_cache, tmp_path, n):
+    env = {k: v for k, v in cli_env().items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "fresh-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    started = time.monotonic()
+    procs = [start_cli(warm_cache, env, tmp_path / f"cli-{i}.log") for i in range(n)]
+    try:
+        codes = [p.wait(timeout=900) for p in procs]
+        print(f"FAULT {n} CLI runs at once on a fresh Prefect home: exit codes {codes} after "
+              f"{time.monotonic() - started:.0f} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = [(tmp_path / f"cli-{i}.log").read_text() for i in range(n)]
+    assert codes == [0] * n, "\n\n".join(log[-2500:] for log in logs)
+    assert not any("Timed out while attempting to connect" in log for log in logs)
+    run_dirs = {json.loads(line)["run_dir"] for log in logs for line in log.splitlines()
+                if line.startswith('{"run_dir"')}
+    assert len(run_dirs) == n and all((Path(d) / "summary.json").is_file() for d in run_dirs)
