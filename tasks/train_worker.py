@@ -296,6 +296,8 @@ def _train(job: dict) -> dict | None:
     clock = StepClock(collator, torch.cuda.synchronize if on_gpu else (lambda: None))
     trainer.add_callback(_callbacks(batch_args["max_steps"], collator, clock, out, started))
     shared, resume = prepare_ranks(trainer, out)  # who writes, where to resume from: tasks/distributed.py
+    # read now: with save_total_limit, the checkpoint resumed from is rotated out during training
+    resumed_from = checkpoint_step(resume) if resume is not None else None
     if job.get("profile") and on_gpu:  # the training benchmark's "where does the time go" window
         from tasks.profiling import profiler_callback
 
@@ -309,7 +311,7 @@ def _train(job: dict) -> dict | None:
               flush=True)
         if resume is not None:
             print(f"resuming from {resume.name} (optimizer, scheduler and RNG state restored)", flush=True)
-    if resume is not None and 0 < steps <= json.loads((resume / "trainer_state.json").read_text())["global_step"]:
+    if resume is not None and 0 < steps <= resumed_from:
         # Killed after its final checkpoint: resuming would take one step past max_steps, so restore that state.
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -353,7 +355,7 @@ def _train(job: dict) -> dict | None:
         peak_memory_mb=round(max(r["peak_reserved_mb"] for r in records), 1),
         peak_allocated_mb=round(max(r["peak_allocated_mb"] for r in records), 1),
         steady_tokens_per_second=steady["tokens_per_second"], steady_state=steady,
-        resumed_from_step=checkpoint_step(resume) if resume else None,
+        resumed_from_step=resumed_from,
         backend=backend, rank_steps=[r["global_step"] for r in records],
         devices=[r["device_name"] for r in records], rank_tokens=[r["tokens"] for r in records],
         training_plan=tplan.model_dump(), micro_batch_split=split, layout=layout,

@@ -90,7 +90,7 @@ def test_killed_training_resumes_from_its_checkpoint_on_retry(prefect_server, sh
     """SIGKILL rank 0 after the first checkpoint; Prefect's retry must resume from it, not restart."""
     overrides = tiny_overrides(shared_cache / "resume", tmp_path, **{
         "train.max_steps": 30, "train.save_steps": 5, "train.logging_steps": 5, "train.retries": 1,
-        "train.save_total_limit": 20})
+        "train.save_total_limit": 2})  # the default: the resumed-from checkpoint is rotated out as training goes on
     # like the OOM killer: torchrun sees its rank die and fails
     thread, killed = kill_rank_after_checkpoint(shared_cache / "resume" / "adapters", 0,
                                                 "checkpoints/checkpoint-*/trainer_state.json")
