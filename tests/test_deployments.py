@@ -12,6 +12,7 @@ import json
 import re
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,10 +180,22 @@ def test_on_demand_runs_complete_with_their_artifacts(stack, two_runs):
         assert {artifacts[k].type for k in ("environment-report", "run-summary", "eval-samples")} == {"markdown"}
 
 
+def flushed_logs(stack, flow_run_id, timeout: float = 60):
+    """A finished run's logs once they have all arrived: the API marks the run finished before the run's last
+    log batch (sent every few seconds) is written, so wait for the flow's own last line."""
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = stack.logs_of(flow_run_id)
+        if any(log.task_run_id is None and log.message.startswith("Finished in state") for log in logs) \
+                or time.monotonic() > deadline:
+            return logs
+        time.sleep(1)
+
+
 def _slot_events(stack, flow_run_id):
     """(time, task run, what) for each device-slot and device-job log line of a flow run."""
     events = []
-    for log in stack.logs_of(flow_run_id):
+    for log in flushed_logs(stack, flow_run_id):
         m = re.match(r"(waiting for|acquired|releasing) device slot\(s\) (\S+)|starting (quantize|train|evaluate|export) worker",
                      log.message)
         if m:
