@@ -29,6 +29,7 @@ from tasks.generation import continuous_supports
 from tasks.kernels import check_kernels
 from tasks.gpus import GpuInfo, GpuSelection, read_inventory, selection_for
 from tasks.launcher import python_module, run_logger, run_worker, worker_main, write_job
+from tasks.store import write_atomic
 
 STACK = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "prefect", "kernels",
          "flash-attn", "flash-attn-3", "flash-attn-4", "liger-kernel", "pydantic", "nvidia-ml-py", "triton")
@@ -99,14 +100,7 @@ def probe(kernels: dict[str, str] | None = None) -> EnvironmentReport:
 
     versions = {d: _version(d) for d in STACK}
     gpus = read_inventory()
-    driver = None
-    if gpus:
-        import pynvml
-
-        pynvml.nvmlInit()
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        driver = driver.decode() if isinstance(driver, bytes) else driver
-        pynvml.nvmlShutdown()
+    driver = _driver_version() if gpus else None
     cuda = torch.cuda.is_available()
     try:
         import bitsandbytes  # noqa: F401
@@ -279,10 +273,7 @@ def run_probe(workdir: Path, kernels: dict[str, str] | None = None, cache: Path 
                         workdir)
     report = EnvironmentReport.model_validate(result)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(report.model_dump_json(indent=2))
-        tmp.replace(path)  # atomic: a reader sees a whole probe or none
+        write_atomic(path, report.model_dump_json(indent=2))
     return report
 
 
