@@ -12,7 +12,8 @@ after warm-up, real tokens of all ranks), the peak memory the allocator reserved
 nvidia-smi showed on any of the GPUs, the MiB of parameters each rank holds (the base weights' shard under FSDP),
 and the training loss curve; the report sets FSDP against DDP (memory, parameters and tokens/s ratios, the largest
 loss difference at any logged step). Results go to --out (default
-benchmarks/results/scale-out-<N>xGPU-<UTC time>/report.{md,json}), with the hardware and library versions.
+benchmarks/results/scale-out-<N>xGPU-<UTC time>/report.{md,json}), with the hardware and library versions; each
+run's row is also kept in --state, so the strategies can run in separate calls and still make one report.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="optimizer steps (default 20; 3 with --smoke)")
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the steady state")
     parser.add_argument("--accumulation", type=int, default=4, help="x 8 rows = the effective batch per rank")
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--learning-rate", type=float, default=2e-4,
+                        help="2e-4: at 1e-3 the 2-GPU DDP run of train_speed.py diverged (benchmarks/README.md)")
     parser.add_argument("--state", default="/tmp/finetune-flows-scale-bench")
     parser.add_argument("--cache", help="the store to keep models and 4-bit bases in (default: <state>/cache)")
     parser.add_argument("--out", help="report directory (default benchmarks/results/scale-out-<N>xGPU-<time>)")
@@ -188,7 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         vocab = len(AutoTokenizer.from_pretrained(materialize_tokenizer(f"generated:{args.shape}", cache)))
     data = state / "workload" / f"{args.shape}-{args.rows}"
     stats = write_workload(data, args.rows, min(vocab, CHAIN_VOCAB), args.smoke)
-    rows = {s: run(args, env, state, cache, s, data, stats) for s in args.strategies.split(",") if s}
+    kept = state / "runs"  # each run's row, so `--strategies ddp` and `--strategies fsdp` build one report
+    kept.mkdir(parents=True, exist_ok=True)
+    for strategy in [s for s in args.strategies.split(",") if s]:
+        row = run(args, env, state, cache, strategy, data, stats)
+        (kept / f"{args.shape}-{args.steps}-{strategy}.json").write_text(json.dumps(row, indent=2))
+    rows = {r["strategy"]: r for r in (json.loads(p.read_text())
+                                       for p in sorted(kept.glob(f"{args.shape}-{args.steps}-*.json")))}
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"scale-out-{len(gpus)}xGPU-{stamp}"
     report = {"date": stamp, "command": "python benchmarks/scale_out.py " + " ".join(
