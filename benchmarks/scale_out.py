@@ -43,7 +43,7 @@ def config(args, cache: Path, strategy: str, gpu_ids: list[int]):
                               f"train.gradient_accumulation_steps={args.accumulation}",
                               f"train.learning_rate={args.learning_rate}", f"train.warmup_steps={args.warmup}",
                               "train.logging_steps=1", f"train.save_steps={10**6}", "train.save_total_limit=1",
-                              f"hardware.strategy={strategy}", *hardware])
+                              f"hardware.strategy={strategy}", *hardware, *args.set])
 
 
 def quantized_base(cfg, plan, sel, work: Path):
@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accumulation", type=int, default=4, help="x 8 rows = the effective batch per rank")
     parser.add_argument("--learning-rate", type=float, default=2e-4,
                         help="2e-4: at 1e-3 the 2-GPU DDP run of train_speed.py diverged (benchmarks/README.md)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for both runs, e.g. train.micro_batch_tokens=8192 (the same "
+                        "micro-batch for both; by default the planner fills each rank's memory)")
     parser.add_argument("--state", default="/tmp/finetune-flows-scale-bench")
     parser.add_argument("--cache", help="the store to keep models and 4-bit bases in (default: <state>/cache)")
     parser.add_argument("--out", help="report directory (default benchmarks/results/scale-out-<N>xGPU-<time>)")
