@@ -21,7 +21,7 @@ EXTRAS ?= test,ray,tracking
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-gpu gpu-proof bench-train bench-eval clean help
+.PHONY: setup run test test-gpu gpu-proof bench-train bench-eval bench-scale clean help
 
 help:
 	@echo "make run       - set up, then fine-tune the built-in demo (configs/demo.yaml)"
@@ -30,6 +30,7 @@ help:
 	@echo "make gpu-proof - GPU tests + real flow runs on this GPU host, report in benchmarks/results/"
 	@echo "make bench-train - training speed, seed recipe vs this project, report in benchmarks/results/"
 	@echo "make bench-eval - evaluation speed, reference engine vs the new ones, report in benchmarks/results/"
+	@echo "make bench-scale - DDP vs FSDP2-QLoRA on 2 GPUs (qwen3-8b shape), report in benchmarks/results/"
 	@echo "make clean     - remove the virtualenv and run outputs"
 	@echo "make server    - Prefect server + UI on http://127.0.0.1:$(PREFECT_PORT) (deployments/README.md)"
 	@echo "make deploy    - work pool, this host's device limits, and the deployments in deployments/prefect.yaml"
@@ -73,6 +74,10 @@ bench-train: $(GPU_SETUP)
 # Evaluation speed: the reference engine vs the new ones on one adapter and prompt set (benchmarks/README.md).
 bench-eval: $(GPU_SETUP)
 	HF_HUB_OFFLINE=1 $(GPU_PY) benchmarks/eval_speed.py $(ARGS)
+
+# Scale-out: DDP against FSDP2-QLoRA on 2 GPUs, generated:qwen3-8b (benchmarks/README.md).
+bench-scale: $(GPU_SETUP)
+	HF_HUB_OFFLINE=1 $(GPU_PY) benchmarks/scale_out.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

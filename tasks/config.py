@@ -211,6 +211,15 @@ class HardwareConfig(Section):
         "GPUs); set it only as a check. ray: workers per node, one GPU each (CPU workers over gloo when "
         "`gpus: cpu`); default 1.",
     )
+    strategy: Literal["ddp", "fsdp", "auto"] = Field(
+        "ddp",
+        description="How the ranks share the model: `ddp` (every rank holds the whole 4-bit base), `fsdp` "
+        "(FSDP2-QLoRA: the 4-bit base, the adapter and its optimizer state sharded across the ranks, one unit per "
+        "decoder layer; the 4-bit weights are stored in the compute dtype so every unit has one dtype; frozen "
+        "weights stay in the compute dtype, so `train.upcast_frozen` must not be true), or `auto` (fsdp where the "
+        "planner finds that the 4-bit model plus a micro-batch of `data.max_length` tokens does not fit one "
+        "selected GPU, else ddp). With one rank fsdp shards nothing and the run trains with ddp (it says so).",
+    )
     rdzv_endpoint: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}$",
         description="torchrun with nodes > 1: `host:port` of the c10d rendezvous, the same on every node (e.g. "
@@ -413,6 +422,9 @@ def consistency_problems(cfg: FinetuneConfig) -> list[str]:
         problems.append("train.precision=bf16 with quantization.compute_dtype=float16: pick one dtype")
     if t.optimizer.startswith("paged_") and not q.load_in_4bit:
         problems.append(f"train.optimizer={t.optimizer} needs bitsandbytes; it is meant for 4-bit runs")
+    if cfg.hardware.strategy == "fsdp" and t.upcast_frozen is True:
+        problems.append("hardware.strategy=fsdp with train.upcast_frozen=true: FSDP2 shards units of one dtype, so "
+                        "frozen weights stay in the compute dtype; set train.upcast_frozen to auto or false")
     problems += launch_problems(cfg.hardware)
     if cfg.data.eval_source is None and cfg.data.max_samples is not None and cfg.data.max_samples < 10:
         problems.append("data.max_samples < 10 leaves too few rows to hold some out for evaluation")

@@ -38,12 +38,14 @@ def world_size(cfg: FinetuneConfig, plan: Plan) -> int:
 
 
 def fingerprint_parts(cfg: FinetuneConfig, plan: Plan) -> list[Any]:
-    """What the launch adds to the training fingerprint. Nothing for one torchrun host, so the cache keys of
-    single-host runs stay as they were; the world size otherwise (it changes the data order and the result)."""
+    """What the launch adds to the training fingerprint. Nothing for DDP on one torchrun host, so the cache keys of
+    single-host runs stay as they were; the world size otherwise (it changes the data order and the result), and
+    the strategy under FSDP (another reduction order)."""
     h = cfg.hardware
+    sharded = ["fsdp"] if plan.strategy == "fsdp" else []
     if h.launcher == "torchrun" and h.nodes == 1:
-        return []
-    return [h.launcher, h.nodes, ranks_per_node(cfg, plan)]
+        return sharded
+    return [h.launcher, h.nodes, ranks_per_node(cfg, plan), *sharded]
 
 
 def plan_problems(cfg: FinetuneConfig, plan: Plan) -> list[str]:

@@ -68,6 +68,8 @@ class Plan(BaseModel):
     eval_attn: str
     eval_dtype: str = ""  # compute dtype of the static/continuous evaluation engines ("" = compute_dtype)
     attention_choice: dict[str, str] = {}  # purpose -> why that backend (measured timings, configured, CPU)
+    strategy: str = "ddp"  # ddp | fsdp (hardware.strategy resolved: tasks/sharding.py)
+    strategy_choice: str = ""  # why
 
 
 def _version(dist: str) -> str | None:
@@ -183,9 +185,16 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
     if problems:
         raise EnvironmentMismatch(problems, "config vs environment")
     nproc = len(selection.ids) if on_gpu else cfg.hardware.cpu_processes
-    return Plan(device=selection.device_type, gpu_ids=selection.ids, nproc=nproc, precision=p,
+    plan = Plan(device=selection.device_type, gpu_ids=selection.ids, nproc=nproc, precision=p,
                 compute_dtype=compute, train_attn=train_attn, eval_attn=eval_attn, eval_dtype=eval_dtype,
                 attention_choice=why)
+    from tasks.distributed import world_size  # imports this module
+    from tasks.sharding import resolve_strategy
+
+    strategy, choice = resolve_strategy(cfg, on_gpu=on_gpu, ranks=world_size(cfg, plan),
+                                        free_mib=min((g.memory_free_mib for g in gpus), default=None),
+                                        dtype_bytes=4 if compute == "float32" else 2)
+    return plan.model_copy(update={"strategy": strategy, "strategy_choice": choice})
 
 
 def report_markdown(env: EnvironmentReport, plan: Plan | None = None) -> str:

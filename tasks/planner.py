@@ -15,6 +15,9 @@ The memory model, per rank (bytes):
   checkpointing only each layer's input is kept (plus one layer recomputed at a time);
 - logits: with a fused linear cross-entropy (Liger) a bounded chunk, else T x vocab in bf16 + fp32 + grad;
 - a fixed reserve for the CUDA context, allocator slack, NCCL buffers and kernels' workspaces.
+Under FSDP (`shards` ranks, tasks/sharding.py) each rank keeps 1/shards of the base and of the LoRA state, plus the
+units gathered at a time (the current and the prefetched decoder layer) and the lm_head, which stays gathered from
+the end of the forward pass through the start of the backward pass.
 """
 
 from __future__ import annotations
@@ -110,9 +113,19 @@ class TrainingPlan(BaseModel):
     compile_layers: bool = False  # torch.compile each decoder layer (fused elementwise, fewer launches)
 
 
+def _linear_bytes_per_param(four_bit: bool, dtype_bytes: int) -> float:
+    return 0.5 + 0.5 / 64 * 1.0 / 2 if four_bit else dtype_bytes  # nf4 + 8-bit absmax/64
+
+
 def _base_bytes(shape: ModelShape, four_bit: bool, frozen_bytes: int, dtype_bytes: int) -> float:
-    linear = shape.linear_params * (0.5 + 0.5 / 64 * 1.0 / 2 if four_bit else dtype_bytes)  # nf4 + 8-bit absmax/64
+    linear = shape.linear_params * _linear_bytes_per_param(four_bit, dtype_bytes)
     return linear + shape.embedding_params * frozen_bytes + shape.layers * 6 * shape.hidden * frozen_bytes
+
+
+def _sharded_base_bytes(shape: ModelShape, whole: float, shards: int, four_bit: bool, frozen_bytes: int,
+                        dtype_bytes: int) -> float:
+    layer = sum(a * b for a, b in shape.linear_shapes.values()) * _linear_bytes_per_param(four_bit, dtype_bytes)
+    return whole / shards + 2 * layer + shape.vocab * shape.hidden * frozen_bytes
 
 
 def _logit_bytes_per_token(shape: ModelShape, fused_ce: bool) -> float:
@@ -122,14 +135,17 @@ def _logit_bytes_per_token(shape: ModelShape, fused_ce: bool) -> float:
 
 
 def peak_bytes(shape: ModelShape, tokens: int, *, checkpointing: bool, four_bit: bool, lora_r: int,
-               lora_targets: list[str] | str, fused_ce: bool, dtype_bytes: int = 2, upcast: bool = True) -> float:
+               lora_targets: list[str] | str, fused_ce: bool, dtype_bytes: int = 2, upcast: bool = True,
+               shards: int = 1) -> float:
     """Predicted peak memory of one rank for a micro-batch of `tokens` packed tokens."""
     frozen = 4 if upcast else dtype_bytes
     # with PEFT's fp32 upcast the embeddings hand fp32 to the first norm and bitsandbytes returns each projection in
     # its input's dtype, so every saved activation is fp32 (measured: 28.9 vs 14.4 GiB, Qwen3-0.6B, 10k tokens)
     act = 4 if upcast else dtype_bytes
     weights = _base_bytes(shape, four_bit, frozen, dtype_bytes)
-    lora = 16 * shape.lora_params(lora_r, lora_targets)
+    lora = 16 * shape.lora_params(lora_r, lora_targets) / shards
+    if shards > 1:
+        weights = _sharded_base_bytes(shape, weights, shards, four_bit, frozen, dtype_bytes)
     per_token = shape.activation_bytes_per_token(checkpointing, act, act)
     per_token += _logit_bytes_per_token(shape, fused_ce)
     return CONTEXT_RESERVE + weights + lora + tokens * per_token
@@ -140,14 +156,14 @@ def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
                   four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
                   dtype_bytes: int = 2, upcast: bool = True, per_device_rows: int = 8,
                   accumulation: int = 1, dequantize: bool = False,
-                  compile_layers: bool = False) -> TrainingPlan:
+                  compile_layers: bool = False, shards: int = 1) -> TrainingPlan:
     """Choose micro-batch size, accumulation, checkpointing and whether to hold the base dequantized (asked for by
     `dequantize`, kept 4-bit where the dequantized base would not fit the budget)."""
     plan = _plan_batches(shape, free_mib=free_mib, max_row=max_row, mean_row=mean_row, rows_per_step=rows_per_step,
                          packing=packing, micro_batch_tokens=micro_batch_tokens, checkpointing=checkpointing,
                          four_bit=four_bit, lora_r=lora_r, lora_targets=lora_targets, fused_ce=fused_ce,
                          dtype_bytes=dtype_bytes, upcast=upcast, per_device_rows=per_device_rows,
-                         accumulation=accumulation)
+                         accumulation=accumulation, shards=shards)
     if not four_bit or not dequantize:
         if compile_layers and four_bit:
             plan.reasons.append("decoder layers not compiled: the 4-bit matmuls cannot be (train.dequantize_base "
@@ -155,7 +171,8 @@ def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
         return plan.model_copy(update={"compile_layers": compile_layers and not four_bit})
     tokens = plan.micro_batch_tokens or plan.micro_batch_rows * max_row
     peak = peak_bytes(shape, tokens, checkpointing=plan.gradient_checkpointing, four_bit=False, lora_r=lora_r,
-                      lora_targets=lora_targets, fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast)
+                      lora_targets=lora_targets, fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast,
+                      shards=shards)
     budget = None if plan.budget_gib is None else plan.budget_gib * GIB
     if budget is not None and peak > budget:
         plan.reasons.append(f"NF4 base kept 4-bit: dequantized it would need {peak / GIB:.1f} GiB"
@@ -173,11 +190,12 @@ def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
 def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
                   rows_per_step: int, packing: bool, micro_batch_tokens: int | None, checkpointing: bool | str,
                   four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
-                  dtype_bytes: int, upcast: bool, per_device_rows: int, accumulation: int) -> TrainingPlan:
+                  dtype_bytes: int, upcast: bool, per_device_rows: int, accumulation: int,
+                  shards: int) -> TrainingPlan:
     reasons: list[str] = []
     target = rows_per_step * mean_row
     common = dict(four_bit=four_bit, lora_r=lora_r, lora_targets=lora_targets, fused_ce=fused_ce,
-                  dtype_bytes=dtype_bytes, upcast=upcast)
+                  dtype_bytes=dtype_bytes, upcast=upcast, shards=shards)
     budget = None if free_mib is None else free_mib * 2**20 * BUDGET_FRACTION
 
     def fits(tokens: int, ckpt: bool) -> bool:

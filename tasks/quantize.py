@@ -25,6 +25,7 @@ from tasks.fingerprint import combine, step_versions
 from tasks.gpus import GpuSelection
 from tasks.launcher import python_module, run_logger, run_worker, worker_main, write_job
 from tasks.models import materialize_model, model_identity
+from tasks.sharding import quant_storage
 from tasks.store import Entry, StoreError, reuse_or_produce, step_state
 
 
@@ -36,6 +37,7 @@ class QuantizedModel(BaseModel):
     memory_footprint_mb: float
     linear4bit_layers: int
     quantize_seconds: float
+    quant_storage: str = "uint8"  # the dtype the packed 4-bit weights are stored in (the compute dtype under fsdp)
 
 
 def torch_dtype(name: str):
@@ -44,13 +46,16 @@ def torch_dtype(name: str):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def bnb_config(q: QuantizationConfig, compute_dtype: str):
-    """The single place that builds the BitsAndBytesConfig."""
+def bnb_config(q: QuantizationConfig, compute_dtype: str, storage: str = "uint8"):
+    """The single place that builds the BitsAndBytesConfig. `storage`: the dtype of the tensors holding the packed
+    4-bit weights (the compute dtype when FSDP shards them: tasks/sharding.py)."""
+    import torch
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=q.quant_type, bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=torch_dtype(compute_dtype),
+        bnb_4bit_quant_storage=torch.uint8 if storage == "uint8" else torch_dtype(storage),
     )
 
 
@@ -65,7 +70,8 @@ def quantize_key_parts(cfg: FinetuneConfig, plan: Plan) -> dict[str, Any]:
     return {"model": model_identity(cfg.model.source, cfg.model.revision),
             "trust_remote_code": cfg.model.trust_remote_code,
             "quantization": cfg.quantization.model_dump(mode="json"), "compute_dtype": plan.compute_dtype,
-            "device": plan.device, **step_versions("quantize-base-model")}
+            "quant_storage": quant_storage(plan.strategy, plan.compute_dtype), "device": plan.device,
+            **step_versions("quantize-base-model")}
 
 
 def quantize_fingerprint(cfg: FinetuneConfig, plan: Plan) -> str:
@@ -79,24 +85,26 @@ def _quantize(job: dict) -> dict:
 
     cfg = FinetuneConfig.model_validate(job["config"])
     compute_dtype, out = job["compute_dtype"], Path(job["out"])
+    storage = job.get("quant_storage", "uint8")
     src = materialize_model(cfg.model.source, cfg.cache_root, cfg.model.revision, cfg.model.trust_remote_code)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     started = time.perf_counter()
     remote = cfg.model.trust_remote_code
     model = AutoModelForCausalLM.from_pretrained(
-        src, quantization_config=bnb_config(cfg.quantization, compute_dtype), device_map={"": device},
+        src, quantization_config=bnb_config(cfg.quantization, compute_dtype, storage), device_map={"": device},
         dtype=torch_dtype(compute_dtype), revision=cfg.model.revision, trust_remote_code=remote,
     )
     layers = count_4bit_layers(model)
     first = next(m for m in model.modules() if type(m).__name__ == "Linear4bit")
     print(f"quantized {layers} linear layers to 4-bit {cfg.quantization.quant_type} on {first.weight.device} "
-          f"(compute {compute_dtype}); footprint {model.get_memory_footprint() / 2**20:.1f} MiB", flush=True)
+          f"(compute {compute_dtype}, stored as {storage}); footprint {model.get_memory_footprint() / 2**20:.1f} MiB", flush=True)
     # The orchestrator holds the entry's lock and commits its manifest after this process exits.
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(src, revision=cfg.model.revision, trust_remote_code=remote).save_pretrained(out)
     result = dict(path=str(out), fingerprint=job["fingerprint"], load_in_4bit=True, compute_dtype=compute_dtype,
                   memory_footprint_mb=round(model.get_memory_footprint() / 2**20, 2), linear4bit_layers=layers,
-                  quantize_seconds=round(time.perf_counter() - started, 2), device=str(first.weight.device))
+                  quantize_seconds=round(time.perf_counter() - started, 2), device=str(first.weight.device),
+                  quant_storage=storage)
     (out / "quantization.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -115,7 +123,8 @@ def quantize_base_model(cfg: FinetuneConfig, plan: Plan, gpus: GpuSelection, run
 
     def produce() -> QuantizedModel:
         job = write_job(run_dir / "work", "quantize", config=cfg.model_dump(mode="json"), out=str(entry.path),
-                        compute_dtype=plan.compute_dtype, fingerprint=fingerprint)
+                        compute_dtype=plan.compute_dtype, fingerprint=fingerprint,
+                        quant_storage=quant_storage(plan.strategy, plan.compute_dtype))
         with device_slots(gpus.ids):  # lock order: the entry's lock (held by the caller), then the device
             run_worker("quantize", python_module("tasks.quantize", job), gpus.env, run_dir / "work")
         if not any(entry.path.glob("*.safetensors")):

@@ -19,7 +19,7 @@ from tasks.attempts import run_attempts, split_limit, whole_run
 from tasks.concurrency import device_slots
 from tasks.config import FinetuneConfig
 from tasks.dataset import PreparedDataset
-from tasks.distributed import fingerprint_parts, train_command
+from tasks.distributed import fingerprint_parts, train_command, world_size
 from tasks.environment import Plan
 from tasks.errors import UserInputError, retry_unless_user_error
 from tasks.fingerprint import combine, step_versions
@@ -64,9 +64,11 @@ class TrainResult(BaseModel):
     peak_memory_mb: float  # max over ranks: CUDA max reserved, or process max RSS on CPU
     resumed_from_step: int | None
     backend: str | None = None  # torch.distributed backend (nccl on GPUs, gloo on the CPU)
+    strategy: str = "ddp"  # ddp | fsdp (hardware.strategy as resolved)
     rank_steps: list[int] = []  # optimizer steps each rank finished (equal under DDP)
     devices: list[str] = []  # device name per rank
     rank_tokens: list[int] = []  # real tokens each rank trained on (packing balances them)
+    rank_param_mb: list[float] = []  # MiB of parameters each rank holds (its shards under fsdp)
     peak_allocated_mb: float | None = None
     steady_tokens_per_second: float | None = None  # median over windows after warm-up, save steps left out
     steady_state: dict[str, Any] = {}
@@ -135,7 +137,8 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             fused_ce=liger_setting(cfg, plan), dtype_bytes=2 if plan.compute_dtype != "float32" else 4,
             upcast=upcast_setting(cfg), per_device_rows=t.per_device_batch_size,
             accumulation=t.gradient_accumulation_steps, dequantize=t.dequantize_base is True,
-            compile_layers=t.compile is True)
+            compile_layers=t.compile is True,
+            shards=world_size(cfg, plan) if plan.strategy == "fsdp" else 1)
     except ValueError as exc:
         raise UserInputError(f"training plan: {exc}") from None
 
@@ -167,6 +170,10 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     entry = Entry(cfg.cache_root, "adapters", train_fingerprint(cfg, data, base, plan))
     out = entry.path
     tplan = training_plan(cfg, data, base, plan, gpus)
+    if plan.strategy_choice:
+        tplan.reasons.insert(0, plan.strategy_choice)
+        if cfg.hardware.strategy == "fsdp" and plan.strategy == "ddp":
+            run_logger().warning(plan.strategy_choice)
     run_logger().info("training plan: %s", "; ".join(tplan.reasons))
     publish_training_plan(tplan)
 

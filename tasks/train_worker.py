@@ -26,6 +26,7 @@ from tasks.launcher import emit_event, worker_main
 from tasks.lifecycle import training_callback
 from tasks.planner import TrainingPlan
 from tasks.quantize import torch_dtype
+from tasks import sharding
 
 CHECKPOINT_MANIFEST = "finetune-flows-checkpoint.json"
 
@@ -270,6 +271,7 @@ def _train(job: dict) -> dict | None:
                           max_steps=t.max_steps, num_train_epochs=t.epochs)
         layout = f"padded batches of {rows_per_micro} rows x {batch_args['gradient_accumulation_steps']} accumulation"
     steps = batch_args["max_steps"]
+    fsdp = plan.strategy == "fsdp"
     save_steps = min(t.save_steps, steps) if steps > 0 else t.save_steps  # a short run still leaves a checkpoint
     args = TrainingArguments(
         output_dir=str(out / "checkpoints"), **batch_args,
@@ -284,10 +286,12 @@ def _train(job: dict) -> dict | None:
         # compiled layers fuse norm, RoPE and SwiGLU themselves; Liger keeps the fused loss outside them
         liger_kernel_config={"rope": not tplan.compile_layers, "rms_norm": not tplan.compile_layers,
                              "swiglu": not tplan.compile_layers, "fused_linear_cross_entropy": True},
+        **(sharding.trainer_kwargs(model) if fsdp else {}),
     )
     last_checkpoint(out / "checkpoints")  # removes a checkpoint left half-written
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(out / "tensorboard"))  # copied into each run's directory
-    trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collator)
+    trainer_class = sharding.trainer_class(plan.compute_dtype) if fsdp else Trainer
+    trainer = trainer_class(model=model, args=args, train_dataset=train_ds, data_collator=collator)
     trainer.remove_callback(PrinterCallback)  # progress goes out as events; its raw dicts would duplicate them
     trainer.add_callback(training_callback(job))  # graceful stop on SIGTERM, progress of this attempt, test faults
     if on_gpu:
@@ -298,13 +302,16 @@ def _train(job: dict) -> dict | None:
     shared, resume = prepare_ranks(trainer, out)  # who writes, where to resume from: tasks/distributed.py
     # read now: with save_total_limit, the checkpoint resumed from is rotated out during training
     resumed_from = checkpoint_step(resume) if resume is not None else None
+    if fsdp:
+        sharding.check_storage(shared)
     if job.get("profile") and on_gpu:  # the training benchmark's "where does the time go" window
         from tasks.profiling import profiler_callback
 
         trainer.add_callback(profiler_callback(Path(job["profile"]["path"]), job["profile"]["start"],
                                                job["profile"]["steps"]))
     if trainer.is_world_process_zero():
-        print(f"training: {layout}; checkpointing {'on' if tplan.gradient_checkpointing else 'off'}; "
+        print(f"training: {layout}; {'fsdp' if fsdp else 'ddp'}; "
+              f"checkpointing {'on' if tplan.gradient_checkpointing else 'off'}; "
               f"liger {'on' if use_liger else 'off'}; frozen weights in {'fp32' if upcast else plan.compute_dtype}"
               + ("; NF4 base dequantized" if tplan.dequantize_base else "")
               + ("; decoder layers compiled" if tplan.compile_layers else ""),
@@ -330,8 +337,10 @@ def _train(job: dict) -> dict | None:
         peak_reserved = peak_allocated = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     record = {"rank": rank, "global_step": trainer.state.global_step, "tokens": collator.tokens,
               "peak_reserved_mb": peak_reserved, "peak_allocated_mb": peak_allocated,
-              "device_name": torch.cuda.get_device_name() if on_gpu else "cpu", "steps": clock.steps}
+              "device_name": torch.cuda.get_device_name() if on_gpu else "cpu", "steps": clock.steps,
+              "param_mb": sharding.local_parameter_mib(model)}
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+    adapter_state = sharding.gather_adapter(model)  # under FSDP a collective: the full adapter on every rank
     records = gather(record)  # bookkeeping through the process group, not a shared directory
     if not is_writer(shared):
         return None
@@ -339,7 +348,7 @@ def _train(job: dict) -> dict | None:
     adapter = out / "adapter"
     tmp = out / ".adapter.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=adapter_state)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(adapter, ignore_errors=True)
     os.replace(tmp, adapter)
@@ -358,7 +367,8 @@ def _train(job: dict) -> dict | None:
         resumed_from_step=resumed_from,
         backend=backend, rank_steps=[r["global_step"] for r in records],
         devices=[r["device_name"] for r in records], rank_tokens=[r["tokens"] for r in records],
-        training_plan=tplan.model_dump(), micro_batch_split=split, layout=layout,
+        rank_param_mb=[round(r["param_mb"], 3) for r in records],
+        training_plan=tplan.model_dump(), micro_batch_split=split, layout=layout, strategy=plan.strategy,
     )
     tmp_metrics = out / ".train_metrics.json.tmp"
     tmp_metrics.write_text(json.dumps(result, indent=2))

@@ -151,7 +151,8 @@ def test_prepare_dataset_row(tmp_path, tokenizer_dir, monkeypatch):
 def test_quantize_base_model_row(tmp_path, monkeypatch):
     row = readme_row("quantize-base-model")
     for named in ("`model.source`", "`model.revision`", "`model.trust_remote_code`", "`quantization.*`",
-                  "compute dtype", "device", "torch", "transformers", "bitsandbytes", "accelerate",
+                  "compute dtype", "device", "stored in", "`hardware.strategy`", "torch", "transformers",
+                  "bitsandbytes", "accelerate",
                   "`tasks/quantize.py`", "`tasks/models.py`", "`data.*`", "`lora.*`", "`train.*`", "`eval.*`",
                   "`run.*`"):
         assert named in row, named
@@ -168,7 +169,7 @@ def test_quantize_base_model_row(tmp_path, monkeypatch):
     before = quantize_fingerprint(load_config(None, [f"model.source={local}"]), PLAN)
     (local / "model.safetensors").write_bytes(b"w2")
     assert quantize_fingerprint(load_config(None, [f"model.source={local}"]), PLAN) != before
-    for plan_change in ({"compute_dtype": "bfloat16"}, {"device": "cuda"}):
+    for plan_change in ({"compute_dtype": "bfloat16"}, {"device": "cuda"}, {"strategy": "fsdp"}):
         assert quantize_fingerprint(cfg, PLAN.model_copy(update=plan_change)) != keys.reference, plan_change
     keys.assert_not_in_key(["data.seed=1", "data.source=/x.jsonl", "lora.r=4", "train.learning_rate=1e-3",
                             "eval.max_samples=3", *NOT_IN_ANY])
@@ -180,7 +181,7 @@ def test_train_adapter_row(tmp_path, monkeypatch):
     for named in ("dataset", "4-bit base", "`lora.*`", "`train.*`", "`TRAIN_KEYS_NOT_IN_CACHE_KEY`", "ranks",
                   "device", "precision", "attention", "torch", "transformers", "peft", "bitsandbytes", "accelerate",
                   "`tasks/train.py`", "`tasks/train_worker.py`", "`eval.*`", "`run.*`",
-                  "`hardware.launcher`", "`hardware.nodes`", "`hardware.gpus_per_node`",
+                  "`hardware.launcher`", "`hardware.nodes`", "`hardware.gpus_per_node`", "`hardware.strategy`",
                   *(f"`train.{k}`" for k in TRAIN_KEYS_NOT_IN_CACHE_KEY)):
         assert named in row, named
     keys = Keys(lambda cfg: train_fingerprint(cfg, dataset(), base_model(), PLAN), [])
@@ -191,7 +192,8 @@ def test_train_adapter_row(tmp_path, monkeypatch):
                             for k in sorted(TRAIN_KEYS_NOT_IN_CACHE_KEY)])
     assert train_fingerprint(cfg, dataset("d2"), base_model(), PLAN) != keys.reference
     assert train_fingerprint(cfg, dataset(), base_model("b2"), PLAN) != keys.reference
-    for plan_change in ({"nproc": 2}, {"device": "cuda"}, {"precision": "bf16"}, {"train_attn": "eager"}):
+    for plan_change in ({"nproc": 2}, {"device": "cuda"}, {"precision": "bf16"}, {"train_attn": "eager"},
+                        {"strategy": "fsdp"}):
         assert train_fingerprint(cfg, dataset(), base_model(), PLAN.model_copy(update=plan_change)) != keys.reference
     assert train_fingerprint(cfg, dataset(), base_model(), PLAN.model_copy(update={"gpu_ids": [3]})) == keys.reference
     for launch in (["hardware.nodes=2", "hardware.rdzv_endpoint=node1:29400"], ["hardware.launcher=ray"]):

@@ -1,6 +1,7 @@
 """Beyond one host, on this CPU machine: a 2-node Ray cluster (two raylets) and a 2-node torchrun rendezvous on
 localhost train the tiny model to the same loss curve as 2-rank torchrun on one host; a killed Ray worker fails the
-attempt and Prefect's retry resumes from the checkpoint Ray kept in the run's storage."""
+attempt and Prefect's retry resumes from the checkpoint Ray kept in the run's storage. FSDP2-QLoRA on the same 2
+ranks (gloo) trains to the same curve, resumes after a killed rank and saves the same adapter."""
 
 from __future__ import annotations
 
@@ -108,6 +109,56 @@ def two_rank_reference(prefect_server, shared_cache, tmp_path_factory):
                                            **{"hardware.cpu_processes": 2}))
     assert result.train.world_size == 2
     return result
+
+
+@pytest.mark.timeout(1200)
+def test_fsdp_on_two_ranks_matches_ddp_resumes_after_a_killed_rank_and_saves_the_same_adapter(
+        two_rank_reference, shared_cache, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from tasks.lifecycle import FAULTS_ENV
+
+    marker = tmp_path / "killed"
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"sigkill_at_step": 5, "sigkill_rank": 1, "once": str(marker)}))
+    result = finetune(None, tiny_overrides(shared_cache / "scale", tmp_path, **{
+        "hardware.cpu_processes": 2, "hardware.strategy": "fsdp", "train.retries": 1, "export.merge": False}))
+    train, reference = result.train, two_rank_reference.train
+    assert marker.exists(), "rank 1 was never killed"
+    assert train.strategy == "fsdp" and reference.strategy == "ddp" and train.backend == "gloo"
+    assert train.resumed_from_step == 3 and train.rank_steps == [6, 6]
+    assert [a["outcome"] for a in train.attempts] == ["crashed", "completed"]
+    # the same steps and losses as DDP: 2-rank reduce-scatter and all-reduce both average two fp32 gradients
+    assert_same_curve(train.loss_curve, reference.loss_curve)
+    # sharded for real: each rank holds about half of the parameters (DDP: all of them), and the checkpoints are
+    # the Trainer's FSDP ones (adapter state and optimizer gathered on rank 0) beside the PEFT adapter
+    assert all(f < 0.6 * d for f, d in zip(train.rank_param_mb, reference.rank_param_mb)), (train.rank_param_mb,
+                                                                                          reference.rank_param_mb)
+    checkpoint = Path(train.output_dir) / "checkpoints" / "checkpoint-6"
+    assert {"pytorch_model_fsdp.bin", "optimizer.bin", "adapter_model.safetensors"} <= {
+        p.name for p in checkpoint.iterdir()}
+    mine, theirs = (load_file(Path(t.adapter_path) / "adapter_model.safetensors") for t in (train, reference))
+    assert {k: v.shape for k, v in mine.items()} == {k: v.shape for k, v in theirs.items()}
+    assert all(mine[k].dtype == theirs[k].dtype and (mine[k] - theirs[k]).abs().max() <= 1e-5 for k in mine)
+    assert result.eval.adapter.generated == 8  # evaluated like the DDP adapter, to the same loss
+    assert abs(result.eval.adapter.loss - two_rank_reference.eval.adapter.loss) <= 1e-4
+
+
+@pytest.mark.timeout(900)
+def test_scale_out_benchmark_smoke_run_writes_the_report(shared_cache, tmp_path):
+    """`make bench-scale` on 2 CPU ranks, its FSDP half (the DDP half is the same code with another plan; the
+    comparison is tested in tests/test_sharding.py), reusing the 4-bit base the run above stored."""
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "benchmarks/scale_out.py", "--smoke", "--strategies", "fsdp", "--steps", "2",
+                           "--state", str(tmp_path / "state"), "--cache", str(shared_cache / "scale"), "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=850)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["versions"]["torch"] and report["ranks"] == 2 and report["steps"] == 2
+    [run] = report["runs"]
+    assert (run["strategy"], run["quant_storage"], run["ranks"], run["steps"]) == ("fsdp", "float32", 2, 2)
+    assert run["whole_run_tokens_per_second"] > 0 and run["peak_reserved_gib"] > 0
+    assert len(run["param_mib_per_rank"]) == 2 and len(run["loss_curve"]) == 2
+    assert "| fsdp | 2 | float32 |" in (out / "report.md").read_text()
 
 
 @pytest.fixture(scope="module")
