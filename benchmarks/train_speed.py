@@ -163,15 +163,23 @@ def eval_loss(base: Path, adapter: Path, data: Path, ids: list[int], log: Path) 
 def generate_on_gpu(source: str, cache_root: Path) -> None:
     """Random weights initialised on the GPU (an 8B model initialises in seconds there, minutes on the CPU), saved
     where materialize_model looks. Only for the benchmark's private cache: the bytes differ from a CPU-made copy."""
-    from tasks.models import _cache_entry, _materialize_generated
-
-    final = _cache_entry("models", source, cache_root)
-    if (final / "config.json").is_file():
-        return
     import torch
 
-    with torch.device("cuda"):
-        _materialize_generated(source.split(":", 1)[1], final)
+    from tasks.models import _cache_entry, _materialize_generated, _materialized
+
+    def build(out: Path) -> None:
+        with torch.device("cuda"):
+            _materialize_generated(source.split(":", 1)[1], out)
+
+    _materialized(_cache_entry("models", source, cache_root, None), build)
+
+
+def _layout(run: dict) -> str:
+    """The run's batch layout and the planner's switches that change speed."""
+    plan = run.get("training_plan") or {}
+    extra = [text for key, text in (("dequantize_base", "NF4 base dequantized"),
+                                    ("compile_layers", "decoder layers compiled")) if plan.get(key)]
+    return "; ".join([run.get("layout", "")] + extra)
 
 
 def gpu_name(ids: list[int]) -> str:
@@ -387,7 +395,7 @@ def markdown(rep: dict) -> str:
     for r in rep["runs"]:
         lines.append(f"| {r['name']} | {r['gpus']} | {r['tokens_per_second']} | {r['tokens_per_second_min']}.."
                      f"{r['tokens_per_second_max']} | {r['mfu']} | {r['peak_reserved_gib']} | "
-                     f"{r['nvidia_smi_peak_gib']} | {r['eval_loss']} | {r['layout']} |")
+                     f"{r['nvidia_smi_peak_gib']} | {r['eval_loss']} | {_layout(r)} |")
     lines += ["", "## Speedup (ours / seed, steady-state real tokens/s)", ""]
     lines += [f"- {k}: {v}" for k, v in rep["speedup"].items()]
     lines += ["", "## Eval loss of ours relative to the seed (same steps and effective batch)", ""]
