@@ -143,11 +143,12 @@ class TrainConfig(Section):
         "weights every 4-bit matmul multiplies by (bitsandbytes dequantizes them on every call), so the adapter "
         "is the same QLoRA adapter, without the per-call dequantization (it costs 2 bytes per weight instead of "
         "~0.5; `true` still keeps the base 4-bit where the planner finds the dequantized copy does not fit). "
-        "`auto`: off until measured faster on this kind of GPU (benchmarks/README.md).")
+        "`auto`: on NVIDIA GPUs under DDP (measured 1.4x on an H200, benchmarks/README.md), off under FSDP "
+        "and on the CPU.")
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each decoder layer (dynamic shapes) to fuse the elementwise work and "
-        "cut kernel launches; needs the dequantized base. `auto`: off until measured faster on this kind of GPU "
-        "(benchmarks/README.md).")
+        "cut kernel launches; needs the dequantized base. `auto`: on wherever the base is held dequantized on an "
+        "NVIDIA GPU (with it, 2.5x on an H200: benchmarks/README.md).")
     upcast_frozen: bool | Literal["auto"] = Field(
         "auto", description="Keep the frozen embeddings, norms and lm_head in fp32 as PEFT's "
         "prepare_model_for_kbit_training does (true), or in the compute dtype (false); `auto`: the measured "

@@ -100,3 +100,22 @@ def test_dequantized_base_costs_its_bf16_weights_in_the_prediction():
     assert held.dequantize_base
     extra = held.predicted_peak_gib - kept.predicted_peak_gib
     assert 8 < extra < 14  # ~2 bytes instead of ~0.5 per weight of 8B parameters (~11 GiB more)
+
+
+@pytest.mark.parametrize("device,strategy,overrides,want", [
+    ("cuda", "ddp", [], (True, True)),  # auto: measured faster on an H200 (benchmarks/README.md)
+    ("cuda", "fsdp", [], (False, False)),  # FSDP keeps its sharded 4-bit base
+    ("cpu", "ddp", [], (False, False)),  # the CPU keeps the 4-bit path
+    ("cuda", "ddp", ["train.compile=false"], (True, False)),
+    ("cuda", "ddp", ["train.dequantize_base=false"], (False, False)),
+    ("cpu", "ddp", ["train.dequantize_base=true", "train.compile=true"], (True, True)),
+])
+def test_dequantize_and_compile_auto(device, strategy, overrides, want):
+    from tasks.config import load_config
+    from tasks.environment import Plan
+    from tasks.train import compile_setting, dequantize_setting
+
+    cfg = load_config(None, overrides)
+    plan = Plan(device=device, gpu_ids=[0] if device == "cuda" else [], nproc=1, precision="bf16",
+                compute_dtype="bfloat16", train_attn="sdpa", eval_attn="sdpa", strategy=strategy)
+    assert (dequantize_setting(cfg, plan), compile_setting(cfg, plan)) == want
