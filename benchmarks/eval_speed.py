@@ -199,6 +199,14 @@ def markdown(report: dict) -> str:
                      f"{max(r['base']['peak_memory_mib'], r['adapter']['peak_memory_mib'])} | "
                      f"{r['base']['exact_match']} / {r['adapter']['exact_match']} | {r['agreement']} | "
                      f"{r['speedup']} |")
+    phased = [r for r in report["rows"] if "error" not in r and "prefill_seconds" in r["base"].get("details", {})]
+    if phased:
+        lines += ["", "## Where the static engines' time goes (device synchronised per batch)", "",
+                  "| variant | attention | prefill s (base / adapter) | decode s | decode steps |", "|---|---|---|---|---|"]
+        for r in phased:
+            b, a = r["base"]["details"], r["adapter"]["details"]
+            lines.append(f"| {r['variant']} | {r['attention']} | {b['prefill_seconds']} / {a['prefill_seconds']} | "
+                         f"{b['decode_seconds']} / {a['decode_seconds']} | {b['decode_steps']} / {a['decode_steps']} |")
     if report.get("attention_probe"):
         lines += ["", "## Attention probe (what `auto` measured)", "", "| backend | eval ms | train ms | max rel diff "
                   "| error |", "|---|---|---|---|---|"]
@@ -219,8 +227,9 @@ def main() -> int:
     parser.add_argument("--baseline-batch", type=int, default=50, help="reference engine batch size")
     parser.add_argument("--batch-tokens", type=int, default=None, help="static/continuous tokens per batch "
                         "(default: what the eval worker picks)")
-    parser.add_argument("--variants", default="generate,static,static-eager,continuous",
-                        help="comma list from generate, static, static-eager, continuous, continuous-graphs")
+    parser.add_argument("--variants", default="generate,static,static-grouped,static-eager,continuous",
+                        help="comma list from generate, static, static-grouped (decode steps on grouped-query "
+                        "attention that reads each KV head once), static-eager, continuous, continuous-graphs")
     parser.add_argument("--backends", default=None, help="comma list of attention backends (default: those `auto` "
                         "considers that are usable here; add flex_attention or a Hub kernel id by name)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -271,14 +280,16 @@ def main() -> int:
     new, metric = args.new_tokens, cfg.eval.metric
     memory = lambda: int(0.6 * torch.cuda.mem_get_info(device)[0]) if gpu else 2**30  # noqa: E731
 
-    def static(graphs):
-        return lambda k: generate_static(copy_model, ids[:k] if k else ids, new, stops, pad, batch_tokens, graphs)
+    def static(graphs, grouped=False):
+        return lambda k: generate_static(copy_model, ids[:k] if k else ids, new, stops, pad, batch_tokens, graphs,
+                                         grouped_decode=grouped)
 
     def continuous(graphs):
         return lambda k: generate_continuous(copy_model, ids[:k] if k else ids, new, stops, pad,
                                              min(batch_tokens, 16384), memory(), cuda_graphs=graphs)
 
-    engines = {"static": static(None), "static-eager": static(False), "continuous": continuous(None),
+    engines = {"static": static(None), "static-grouped": static(None, grouped=True), "static-eager": static(False),
+               "continuous": continuous(None),
                "continuous-graphs": continuous(True)}
     wanted = args.variants.split(",")
     backends = usable_backends(device, args.backends.split(",") if args.backends else None)
@@ -314,8 +325,8 @@ def main() -> int:
             if side in r:
                 r[side]["samples"] = r[side].pop("answers")[:5]
 
-    probe, why = [], "CPU: sdpa"
-    attention = "sdpa"
+    probe, attention = [], "sdpa"
+    why = "sdpa: the only backend installed and usable on this GPU" if gpu else "CPU: sdpa"
     if gpu and len(backends) > 1:
         probe = measure_on_device(0, backends, attention_shape(cfg), "bfloat16")
         attention, why = choose(probe, backends, "eval")

@@ -160,6 +160,48 @@ def _register_cpu_gqa_attention() -> None:
     AttentionMaskInterface.register(CPU_GQA_ATTENTION, sdpa_mask)
 
 
+GROUPED_DECODE = "finetune_flows_grouped_decode"
+GROUPED_MAX_QUERY = 16  # query positions per row up to which the grouped path is used (decode steps)
+
+
+def _grouped_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       is_causal=None, **kwargs):
+    """Attention of a few query positions (a decode step) over the whole KV cache, each key/value head shared by
+    its query heads without copying it. transformers' sdpa copies every KV head out to its query heads
+    (`repeat_kv`) whenever there is a mask, and a static cache always has one: at every decode step that writes
+    and reads back a copy of the whole cache, several times the bytes the attention itself needs. Here the query
+    heads of one KV head are folded into the query-length axis, so two plain batched matmuls read each cached key
+    and value once. Softmax in fp32. Prefills (longer queries), soft-capping and position biases go to sdpa."""
+    import torch
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, heads, lq, dim = query.shape
+    kv_heads = key.shape[1]
+    if lq > GROUPED_MAX_QUERY or attention_mask is None or kwargs.get("softcap") is not None or \
+            kwargs.get("position_bias") is not None or heads % kv_heads:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    group, length = heads // kv_heads, key.shape[2]
+    scale = scaling if scaling is not None else dim ** -0.5
+    # query head h belongs to KV head h // group (repeat_kv's order): fold the group into the query axis
+    scores = torch.matmul(query.reshape(b, kv_heads, group * lq, dim), key.transpose(-1, -2))
+    scores = scores.view(b, kv_heads, group, lq, length).float() * scale
+    mask = attention_mask[:, :, None, :, :length]  # (b or 1, 1, 1, lq, length)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b, kv_heads, group * lq, length)
+    out = torch.matmul(probs, value).view(b, heads, lq, dim)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_grouped_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED_DECODE, _grouped_attention)
+    AttentionMaskInterface.register(GROUPED_DECODE, sdpa_mask)
+
+
 def last_position(tokens):
     """`logits_to_keep` for the last position. An int slices the hidden states into a non-contiguous view, which
     the CPU's bf16 matmul turns into a batched matmul over a copy of the (vocabulary-sized) lm_head weight per row;
@@ -193,9 +235,10 @@ class _DecodeGraph:
 
 def _static_batch(model, rows: list[list[int]], answers: list | None, max_new_tokens: int, stops: list[int],
                   pad_id: int, cuda_graphs: bool, decode_attn: str, prefill_tokens: int,
-                  notes: list[str]) -> tuple[list[list[int]], float, int]:
+                  notes: list[str], phases: dict) -> tuple[list[list[int]], float, int]:
     """Greedy tokens for one left-padded batch, and the summed cross-entropy (and its token count) of the answers
-    given for its rows (see `generate_static`)."""
+    given for its rows (see `generate_static`). Adds the batch's prefill and decode seconds (device synchronised)
+    and decode steps to `phases`."""
     import torch
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
@@ -225,6 +268,7 @@ def _static_batch(model, rows: list[list[int]], answers: list | None, max_new_to
 
     prefill_attn = model.config._attn_implementation
     loss, count = 0.0, 0
+    started = time.perf_counter()
     with torch.no_grad():
         if plain:
             last = _prefill_in_chunks(logits_at, cache, ids, positions, mask[:, :width],
@@ -235,15 +279,22 @@ def _static_batch(model, rows: list[list[int]], answers: list | None, max_new_to
         if answers and plain:
             loss, count = _answer_loss(logits_at, cache, last, answers, width, positions, mask, pad_id)
         del last
+        _sync(device)
+        decoding = time.perf_counter()
         if decode_attn != prefill_attn:
             model.set_attn_implementation(decode_attn)
         try:
-            out = _decode(step, cache, token, positions[:, -1:] + 1, mask, width, max_new_tokens, stop, cuda_graphs,
-                          notes)
+            out, steps = _decode(step, cache, token, positions[:, -1:] + 1, mask, width, max_new_tokens, stop,
+                                 cuda_graphs, notes)
         finally:
             if decode_attn != prefill_attn:
                 model.set_attn_implementation(prefill_attn)
-    return out.tolist(), loss, count
+        tokens = out.tolist()
+    ended = time.perf_counter()
+    phases["prefill_seconds"] += decoding - started
+    phases["decode_seconds"] += ended - decoding
+    phases["decode_steps"] += steps
+    return tokens, loss, count
 
 
 def _answer_loss(logits_at, cache, last, answers: list, width: int, positions, mask, pad_id: int) -> tuple[float, int]:
@@ -316,7 +367,8 @@ def _prefill_in_chunks(logits_at, cache, ids, positions, mask, rows_per_chunk: i
 
 def _decode(step, cache, token, pos, mask, width: int, max_new_tokens: int, stop, cuda_graphs: bool,
             notes: list[str]):
-    """The greedy steps after the prefill's token, as a (rows x max_new_tokens) tensor padded with a stop token.
+    """The greedy steps after the prefill's token, as a (rows x max_new_tokens) tensor padded with a stop token,
+    and the number of decode steps run.
 
     On CUDA the second step is captured as a graph and the rest are replays. Without graphs, rows that reached a
     stop token leave the batch (and the KV cache), so a batch costs what its unfinished rows need."""
@@ -325,10 +377,11 @@ def _decode(step, cache, token, pos, mask, width: int, max_new_tokens: int, stop
     out = torch.full((token.shape[0], max_new_tokens), int(stop[0]), dtype=torch.long, device=token.device)
     out[:, 0] = token
     active = torch.arange(token.shape[0], device=token.device)
-    done, graph = torch.isin(token, stop), None
+    done, graph, steps = torch.isin(token, stop), None, 0
     for t in range(1, max_new_tokens):
         if bool(done.all()):
             break
+        steps += 1
         if graph is None and not cuda_graphs and bool(done.any()):
             keep = (~done).nonzero().squeeze(1)
             cache.reorder_cache(keep)
@@ -353,17 +406,20 @@ def _decode(step, cache, token, pos, mask, width: int, max_new_tokens: int, stop
         out[active, t] = token
         pos = pos + 1
         done |= torch.isin(token, stop)
-    return out
+    return out, steps
 
 
 def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
                     batch_tokens: int, cuda_graphs: bool | None = None,
-                    answers: list[tuple[list[int], list[int]] | None] | None = None) -> Generation:
+                    answers: list[tuple[list[int], list[int]] | None] | None = None,
+                    grouped_decode: bool = False) -> Generation:
     """Greedy answers of every prompt by length-sorted static batches (see the module doc).
 
     `answers` may give, per prompt, a reference continuation (token ids and their labels, -100 where not
     scored): its cross-entropy is then computed from the prompt's cached keys and values (`details["loss"]` =
-    [summed loss, scored tokens]), so an evaluation's loss pass need not read those prompts again."""
+    [summed loss, scored tokens]), so an evaluation's loss pass need not read those prompts again.
+    `grouped_decode` runs the decode steps on `_grouped_attention` (each KV head read once, not copied out to its
+    query heads); `details` gives the prefill and decode seconds and the decode steps."""
     import torch
 
     device = model.device
@@ -378,12 +434,16 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     # prompt is read by the flash kernel and the decode steps (one token per row) run graphed on sdpa.
     cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
     decode_attn = "sdpa" if cuda_graphs and prefill_attn not in ("sdpa", "eager") else prefill_attn
+    if grouped_decode:
+        _register_grouped_attention()
+        decode_attn = GROUPED_DECODE
     prefill_tokens = min(batch_tokens, PREFILL_TOKENS[device.type == "cuda"])
     batches = length_sorted_batches([len(p) for p in prompt_ids], max_new_tokens, batch_tokens)
     stop_set = set(stops)
     outputs: list[list[int] | None] = [None] * len(prompt_ids)
     failures: list[str] = []
     notes: list[str] = []
+    phases = {"prefill_seconds": 0.0, "decode_seconds": 0.0, "decode_steps": 0}
     loss, count = 0.0, 0
     first = None
     started = time.perf_counter()
@@ -394,7 +454,7 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
             try:
                 rows, batch_loss, batch_count = _static_batch(
                     model, [prompt_ids[i] for i in batch], [answers[i] for i in batch] if answers else None,
-                    max_new_tokens, stops, pad_id, cuda_graphs, decode_attn, prefill_tokens, notes)
+                    max_new_tokens, stops, pad_id, cuda_graphs, decode_attn, prefill_tokens, notes, phases)
             except torch.OutOfMemoryError as exc:  # halve the batch; one prompt that does not fit fails visibly
                 torch.cuda.empty_cache() if device.type == "cuda" else None
                 if len(batch) > 1:
@@ -414,7 +474,8 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
                       failures, details={"batches": len(batches), "batch_tokens": batch_tokens,
                                          "cuda_graphs": cuda_graphs, "prefill_attention": prefill_attn,
                                          "decode_attention": decode_attn, "notes": sorted(set(notes)),
-                                         "loss": [loss, count]})
+                                         "loss": [loss, count],
+                                         **{k: round(v, 3) for k, v in phases.items()}})
 
 
 # ---------------------------------------------------------------- continuous: transformers' continuous batching

@@ -57,9 +57,12 @@ def test_engines_give_identical_greedy_tokens(model_and_prompts, adapter):
     runs = {
         "generate": generate_reference(model, tokenizer, prompts, 10, batch_size=8),
         "static": generate_static(model, ids, 10, stops, pad, batch_tokens=160),
+        "static-grouped": generate_static(model, ids, 10, stops, pad, batch_tokens=160, grouped_decode=True),
         "continuous": generate_continuous(model, ids, 10, stops, pad, batch_tokens=64, memory_bytes=2**26),
     }
     assert runs["static"].details["batches"] > 2  # several length-sorted batches were really used
+    assert runs["static-grouped"].details["decode_attention"] == "finetune_flows_grouped_decode"
+    assert runs["static"].details["decode_steps"] > 0 and runs["static"].details["decode_seconds"] > 0
     for name, run in runs.items():
         assert not run.failures, name
         assert run.tokens == expected, name
@@ -129,3 +132,30 @@ def test_cuda_graphs_are_refused_without_a_gpu(model_and_prompts):
     model, tokenizer, prompts = model_and_prompts
     with pytest.raises(EngineUnavailable, match="CUDA graphs need a CUDA device"):
         generate_static(model, [[1, 2, 3]], 2, [tokenizer.eos_token_id], 0, 64, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("query_len", [1, 3])
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_grouped_attention_equals_sdpa(query_len, mask_kind):
+    """The grouped decode attention against transformers' sdpa (which copies the KV heads out) on a GQA shape:
+    4 KV heads shared by 16 query heads, left padding and unused static-cache columns masked."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tasks.generation import _grouped_attention
+
+    torch.manual_seed(0)
+    b, heads, kv_heads, dim, length = 3, 16, 4, 32, 40
+    query = torch.randn(b, heads, query_len, dim)
+    key, value = torch.randn(b, kv_heads, length, dim), torch.randn(b, kv_heads, length, dim)
+    keep = torch.ones(b, 1, query_len, length, dtype=torch.bool)
+    keep[0, ..., :7] = False  # left padding of row 0
+    for i in range(query_len):  # the new positions fill columns 30 - query_len .. 29; each sees those before it
+        keep[:, :, i, 30 - query_len + i + 1:] = False
+    mask = keep if mask_kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, heads // kv_heads
+    got, _ = _grouped_attention(module, query, key, value, mask, scaling=dim ** -0.5)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim ** -0.5)
+    assert got.shape == want.shape == (b, query_len, heads, dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
