@@ -1,6 +1,8 @@
 """Prove a GPU host: the GPU test tier, then real `finetune` flow runs through Prefect, then a report.
 
     make gpu-proof                      # or: python benchmarks/gpu_proof.py [--model SOURCE] [--out DIR]
+    python benchmarks/gpu_proof.py --tests only            # the GPU test tier alone (results kept in --work)
+    python benchmarks/gpu_proof.py --tests reuse --runs 2gpu-ddp   # then flow runs, one report with both
 
 Writes benchmarks/results/gpu-proof-<N>xGPU-<date>.{json,md}: environment and versions, the GPU test results,
 flow wall times, tokens/s on 1 GPU (and 2 GPUs where there are two), peak memory, the eval table, and the
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -26,15 +29,33 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def run_gpu_tests(out: Path) -> dict:
+def run_gpu_tests(work: Path) -> dict:
+    """The whole GPU tier (`make test-gpu`: every test marked `gpu`), its log and JUnit XML kept in `work` with a
+    summary JSON, so a later call (`--tests reuse`) can put them in its report."""
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
-                           "-s", f"--junitxml={out / 'gpu-tests.xml'}", "tests/test_gpu.py"],
+                           "-s", f"--junitxml={work / 'gpu-tests.xml'}", "tests/"],
                           cwd=REPO, capture_output=True, text=True)
-    (out / "gpu-tests.log").write_text(proc.stdout + proc.stderr)
+    (work / "gpu-tests.log").write_text(proc.stdout + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
-    return {"exit_code": proc.returncode, "seconds": round(time.perf_counter() - started, 1), "results": lines,
-            "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""}
+    result = {"exit_code": proc.returncode, "seconds": round(time.perf_counter() - started, 1), "results": lines,
+              "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""}
+    (work / "gpu-tests.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def gpu_tests(mode: str, work: Path, out: Path) -> dict:
+    """`run` the GPU tier now, `reuse` what an earlier `--tests only` call on this machine left in `work`, or
+    `skip` it; the log and XML go beside the report either way."""
+    if mode == "skip":
+        return {"summary": "skipped", "results": [], "seconds": 0}
+    if mode == "reuse" and not (work / "gpu-tests.json").is_file():
+        raise SystemExit(f"--tests reuse: no earlier GPU test results in {work} (run with --tests only first)")
+    result = run_gpu_tests(work) if mode in ("run", "only") else json.loads((work / "gpu-tests.json").read_text())
+    for name in ("gpu-tests.log", "gpu-tests.xml"):
+        if (work / name).is_file():
+            shutil.copyfile(work / name, out / name)
+    return result
 
 
 def flow_run(name: str, config: str | None, overrides: list[str], cache: Path, runs: Path) -> dict:
@@ -140,7 +161,11 @@ def main() -> int:
                         help="also run the demo config on this model where it is installed ('' to skip)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--work", default="/tmp/finetune-flows-gpu-proof")
-    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--tests", choices=("run", "skip", "only", "reuse"), default="run",
+                        help="the GPU test tier: run it, skip it, run only it (results kept in --work), or reuse "
+                        "the results an earlier `--tests only` call left in --work (so tests and flow runs can go "
+                        "in separate calls and make one report)")
+    parser.add_argument("--skip-tests", action="store_true", help="the same as --tests skip")
     parser.add_argument("--runs", default="", help="comma-separated flow runs to do (default: all that apply)")
     args = parser.parse_args()
 
@@ -158,8 +183,12 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {"date": stamp, "host": platform.node(), "gpu_count": n, "command": " ".join(sys.argv),
               "environment": env.model_dump(mode="json"), "flow_runs": [], "attention_comparisons": []}
-    report["gpu_tests"] = {"summary": "skipped", "results": [], "seconds": 0} if args.skip_tests else run_gpu_tests(out)
+    report["gpu_tests"] = gpu_tests("skip" if args.skip_tests else args.tests, work, out)
     print("gpu tests:", report["gpu_tests"]["summary"], flush=True)
+    if args.tests == "only":
+        save(report, out)
+        print(f"report (GPU tests only): {out}")
+        return 0 if report["gpu_tests"]["exit_code"] == 0 else 1
 
     cache, runs = work / "cache", work / "runs"
     common = [f"model.source={args.model}", "data.builtin_examples=2000", "data.max_length=256", "train.max_steps=60",
