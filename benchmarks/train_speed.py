@@ -174,6 +174,15 @@ def generate_on_gpu(source: str, cache_root: Path) -> None:
     _materialized(_cache_entry("models", source, cache_root, None), build)
 
 
+def logged(log: Path, key: str) -> list[list]:
+    """[step, value] of `key` in every train_log event of a worker's log (a diverging run shows where it starts)."""
+    if not log.is_file():
+        return []
+    events = (json.loads(line.split(" ", 1)[1]) for line in log.read_text().splitlines()
+              if line.startswith("@@event ") and '"train_log"' in line)
+    return [[e["step"], e[key]] for e in events if e.get(key) is not None]
+
+
 def _layout(run: dict) -> str:
     """The run's batch layout and the planner's switches that change speed."""
     plan = run.get("training_plan") or {}
@@ -296,6 +305,7 @@ class Bench:
         result = json.loads((out / "train_metrics.json").read_text())
         result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids[:1], out / "eval.log")
         result["overrides"] = overrides
+        result["grad_norms"] = logged(out / "train.log", "grad_norm")
         if (out / "profile.json").is_file():
             result["profile"] = json.loads((out / "profile.json").read_text())
         self.record(name, self.summarize(name, shape, ids, result, mem.peak, stats))
@@ -328,6 +338,7 @@ class Bench:
             "peak_allocated_gib": None if r.get("peak_allocated_mb") is None else round(r["peak_allocated_mb"] / 1024, 2),
             "nvidia_smi_peak_gib": round(smi_peak / 1024, 2) if smi_peak else None, "gpu_total_gib": total_gib,
             "mfu": mfu, "eval_loss": round(r["eval_loss"], 4), "final_train_loss": r["loss_curve"][-1][1],
+            "loss_curve": r["loss_curve"], "grad_norms": r.get("grad_norms", []),
             "layout": r.get("layout", ""), "overrides": r.get("overrides", []),
             "training_plan": r.get("training_plan"), "profile": r.get("profile"),
             "flops_per_token": mshape.flops_per_token(stats["mean_length"]),
