@@ -12,7 +12,8 @@ number of optimizer steps with the same effective batch (32 rows per step and GP
 
 Runs: `seed` (benchmarks/seed_recipe.py: the Transformers NVIDIA-GPU guide's QLoRA recipe), `ours` (the project's
 training worker, tasks/train_worker.py, with its defaults and memory planner), `ours-2gpu` (the same on two GPUs,
-DDP), and `ours-<label>` variants with extra config overrides (`--variant label:key=value,key=value`). Each run is a
+DDP), and `ours-<label>` variants with extra config overrides (`--variant label:key=value,key=value`; a label
+starting with `2gpu-` runs on two GPUs and gets its own `ddp_2gpu_scaling:<label>` beside `ours-<label>`). Each run is a
 fresh process; the device is synchronised at every step boundary; steady state skips the warm-up steps and takes
 the median (and min/max) of tokens/s over windows of 5 steps; tokens are real (non-pad) tokens; memory is the peak
 the allocator reserved and the peak nvidia-smi showed; MFU counts 4 x (linear + lm_head parameters) FLOPs per token
@@ -377,10 +378,13 @@ def build_report(state: Path, env, command: str) -> dict:
                 speedup[shape] = round(ours["tokens_per_second"] / r["tokens_per_second"], 2)
                 quality[shape] = round((ours["eval_loss"] - r["eval_loss"]) / r["eval_loss"], 4)
     for r in runs:
-        if r["name"].startswith("ours-2gpu-"):
-            one = by.get("ours-" + r["name"][len("ours-2gpu-"):])
+        if r["name"].startswith("ours-2gpu-"):  # ours-2gpu-<shape>, or a variant's ours-2gpu-<label>-<shape>
+            rest = r["name"][len("ours-2gpu-"):]
+            one = by.get("ours-" + rest)
+            shape = r["model"].split(":", 1)[1]
+            key = "ddp_2gpu_scaling" if rest == shape else f"ddp_2gpu_scaling:{rest[:-len(shape) - 1]}"
             if one and one["tokens_per_second"] and r["tokens_per_second"]:
-                speedup["ddp_2gpu_scaling"] = round(r["tokens_per_second"] / one["tokens_per_second"], 2)
+                speedup[key] = round(r["tokens_per_second"] / one["tokens_per_second"], 2)
     workload = {p.parent.name: json.loads(p.read_text()) for p in (state / "workload").glob("*/stats.json")}
     return {"date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"), "command": command,
             "host": platform.node(), "python": platform.python_version(),
@@ -427,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
     parser.add_argument("--runs", default="seed,ours,ours-2gpu", help="seed, ours, ours-2gpu (where 2 GPUs)")
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL:key=value,...",
-                        help="an extra run of ours with config overrides, named ours-LABEL")
+                        help="an extra run of ours with config overrides, named ours-LABEL; a LABEL starting "
+                        "with 2gpu- runs on two GPUs (DDP), e.g. 2gpu-noliger:train.liger_kernel=false")
     parser.add_argument("--profile", action="store_true", help="profile 3 steady steps of each ours run")
     parser.add_argument("--rows", type=int, default=4000)
     parser.add_argument("--steps", type=int, default=20)
@@ -478,7 +483,12 @@ def main(argv: list[str] | None = None) -> int:
                 write_report(state, env, command, out)
             for variant in args.variant:
                 label, _, kv = variant.partition(":")
-                bench.run_ours(shape, data, stats, f"ours-{label}", 1, [x for x in kv.split(",") if x], args.profile)
+                gpus = 2 if label.startswith("2gpu-") else 1  # 2gpu-<label>: the variant on two GPUs (DDP)
+                if gpus > max(1, len(bench.gpu_ids)):
+                    print(f"[{shape}] ours-{label} skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
+                    continue
+                bench.run_ours(shape, data, stats, f"ours-{label}", gpus, [x for x in kv.split(",") if x],
+                               args.profile)
                 write_report(state, env, command, out)
     print(markdown(write_report(state, env, command, out)))
     print(f"report: {out}", flush=True)
