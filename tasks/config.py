@@ -148,7 +148,8 @@ class TrainConfig(Section):
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each decoder layer (dynamic shapes) to fuse the elementwise work and "
         "cut kernel launches; needs the dequantized base. `auto`: on wherever the base is held dequantized on an "
-        "NVIDIA GPU (with it, 2.5x on an H200: benchmarks/README.md).")
+        "NVIDIA GPU (1.8x over the dequantized base alone, 2.5x over the 4-bit path on an H200: "
+        "benchmarks/README.md).")
     upcast_frozen: bool | Literal["auto"] = Field(
         "auto", description="Keep the frozen embeddings, norms and lm_head in fp32 as PEFT's "
         "prepare_model_for_kbit_training does (true), or in the compute dtype (false); `auto`: the measured "
