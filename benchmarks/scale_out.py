@@ -1,19 +1,22 @@
-"""Scale-out: DDP against FSDP2-QLoRA (`hardware.strategy`) on the same GPUs, side by side in one run.
+"""Scale-out: DDP against FSDP2-QLoRA (`hardware.strategy`) on the same GPUs, side by side in one run; or, with
+--launchers, one host against two "nodes" of multi-node torchrun and of Ray (benchmarks/scale_launchers.py).
 
     make bench-scale                                          # generated:qwen3-8b on 2 GPUs: ddp, then fsdp
     python benchmarks/scale_out.py --shape qwen3-8b --gpus 2 --steps 20
     python benchmarks/scale_out.py --smoke                    # tiny model, 2 CPU ranks over gloo (in `make test`)
+    python benchmarks/scale_out.py --launchers host,torchrun-2node,ray-2node --shape qwen3-0.6b --gpus 2
 
-Both runs train the project's training worker (tasks/train_worker.py, with the memory planner, as a flow run
+Every run trains the project's training worker (tasks/train_worker.py, with the memory planner, as a flow run
 would) on the same synthetic rows (the Markov workload of benchmarks/train_speed.py), with the same seed, steps and
-effective batch, each on its own 4-bit base: bitsandbytes' packed weights stored as uint8 for DDP, in the compute
-dtype for FSDP (tasks/sharding.py). Reported per run: steady tokens/s (median and min..max over windows of 5 steps
-after warm-up, real tokens of all ranks), the peak memory the allocator reserved on the busiest rank, the peak
+effective batch. Strategies: each on its own 4-bit base: bitsandbytes' packed weights stored as uint8 for DDP, in the
+compute dtype for FSDP (tasks/sharding.py). Reported per run: steady tokens/s (median and min..max over windows of 5
+steps after warm-up, real tokens of all ranks), the peak memory the allocator reserved on the busiest rank, the peak
 nvidia-smi showed on any of the GPUs, the MiB of parameters each rank holds (the base weights' shard under FSDP),
 and the training loss curve; the report sets FSDP against DDP (memory, parameters and tokens/s ratios, the largest
 loss difference at any logged step). Results go to --out (default
-benchmarks/results/scale-out-<N>xGPU-<UTC time>/report.{md,json}), with the hardware and library versions; each
-run's row is also kept in --state, so the strategies can run in separate calls and still make one report.
+benchmarks/results/scale-out-<N>xGPU-<UTC time>/report.{md,json}), with the hardware and library versions, rewritten
+after every run; each run's row is also kept in --state, so the runs can be made in separate calls and still make
+one report.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import platform
 import shutil
+import signal
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,17 +37,34 @@ from benchmarks.train_speed import (  # noqa: E402  (the path above first)
     CHAIN_VOCAB, MemoryPoller, child_env, generate_on_gpu, gpu_name, versions, write_workload)
 
 
-def config(args, cache: Path, strategy: str, gpu_ids: list[int]):
+def host_hardware(args, gpu_ids: list[int]) -> list[str]:
+    """One host: the given GPUs, or --ranks CPU processes."""
+    if gpu_ids:
+        return [f"hardware.gpus={','.join(map(str, gpu_ids))}"]
+    return ["hardware.gpus=cpu", f"hardware.cpu_processes={args.ranks}"]
+
+
+def config(args, cache: Path, strategy: str, hardware: list[str]):
     from tasks.config import load_config
 
-    hardware = [f"hardware.gpus={','.join(map(str, gpu_ids))}"] if gpu_ids else [
-        "hardware.gpus=cpu", f"hardware.cpu_processes={args.ranks}"]
     return load_config(None, [f"model.source=generated:{args.shape}", f"run.cache_dir={cache}",
                               f"train.max_steps={args.steps}", "train.per_device_batch_size=8",
                               f"train.gradient_accumulation_steps={args.accumulation}",
                               f"train.learning_rate={args.learning_rate}", f"train.warmup_steps={args.warmup}",
                               "train.logging_steps=1", f"train.save_steps={10**6}", "train.save_total_limit=1",
                               f"hardware.strategy={strategy}", *hardware, *args.set])
+
+
+def resolved(cfg, env, ids: list[int]):
+    """(GPU selection, plan) for this config on these GPUs (the CPU when none), refusing another strategy."""
+    from tasks.environment import resolve_plan
+    from tasks.gpus import selection_for
+
+    sel = selection_for(",".join(map(str, ids)) if ids else "cpu", env.gpus)
+    plan = resolve_plan(cfg, env, sel)
+    if plan.strategy != cfg.hardware.strategy:
+        raise SystemExit(f"{cfg.hardware.strategy}: the plan trains with {plan.strategy} ({plan.strategy_choice})")
+    return sel, plan
 
 
 def quantized_base(cfg, plan, sel, work: Path):
@@ -53,6 +74,8 @@ def quantized_base(cfg, plan, sel, work: Path):
     from tasks.sharding import quant_storage
     from tasks.store import Entry, reuse_or_produce
 
+    if plan.device == "cuda":
+        generate_on_gpu(cfg.model.source, cfg.cache_root)
     entry = Entry(cfg.cache_root, "quantized", quantize_fingerprint(cfg, plan))
 
     def produce() -> QuantizedModel:
@@ -65,50 +88,70 @@ def quantized_base(cfg, plan, sel, work: Path):
     return reuse_or_produce(entry, QuantizedModel, produce, outputs=["."])[0]
 
 
-def run(args, env, state: Path, cache: Path, strategy: str, data: Path, stats: dict) -> dict:
+def workload_dataset(data: Path, stats: dict):
     from tasks.dataset import PreparedDataset
-    from tasks.environment import resolve_plan
-    from tasks.gpus import selection_for
-    from tasks.launcher import run_worker, torchrun_module, write_job
-    from tasks.train import liger_setting, training_plan, upcast_setting
 
-    ids = [g.index for g in env.gpus][:args.gpus]
-    cfg = config(args, cache, strategy, ids)
-    sel = selection_for(",".join(map(str, ids)) if ids else "cpu", env.gpus)
-    plan = resolve_plan(cfg, env, sel)
-    if plan.strategy != strategy:
-        raise SystemExit(f"{strategy}: the plan trains with {plan.strategy} ({plan.strategy_choice})")
-    if ids:
-        generate_on_gpu(cfg.model.source, cfg.cache_root)
-    base = quantized_base(cfg, plan, sel, state / "work" / strategy)
-    out = state / "out" / strategy
+    return PreparedDataset(path=data, fingerprint="bench", format="text", train_rows=stats["rows"],
+                           eval_rows=stats["eval_rows"], train_tokens=stats["tokens"], truncated=0, dropped=0)
+
+
+def fresh(out: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: no resume from an earlier one's checkpoints
     out.mkdir(parents=True)
-    data_obj = PreparedDataset(path=data, fingerprint="bench", format="text", train_rows=stats["rows"],
-                               eval_rows=stats["eval_rows"], train_tokens=stats["tokens"], truncated=0, dropped=0)
-    tplan = training_plan(cfg, data_obj, base, plan, sel)
-    job = write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
-                    base=str(base.path), data=str(data), load_in_4bit=base.load_in_4bit, fingerprint=strategy,
-                    training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan), upcast_frozen=upcast_setting(cfg))
+    return out
+
+
+def train_job(out: Path, cfg, plan, base, data: Path, tplan, label: str) -> Path:
+    from tasks.launcher import write_job
+    from tasks.train import liger_setting, upcast_setting
+
+    return write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
+                     base=str(base.path), data=str(data), load_in_4bit=base.load_in_4bit, fingerprint=label,
+                     training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
+                     upcast_frozen=upcast_setting(cfg))
+
+
+def metrics_row(r: dict, smi_peak_mib: float) -> dict:
+    """What both kinds of report show of a run, from its train_metrics.json."""
+    steady = r["steady_state"]
+    return {"tokens_per_second": steady["tokens_per_second"], "tokens_per_second_min": steady["min"],
+            "tokens_per_second_max": steady["max"], "windows": steady["windows"],
+            "whole_run_tokens_per_second": r["tokens_per_second"], "train_tokens": r["train_tokens"],
+            "train_seconds": r["train_seconds"], "steps": r["steps"], "ranks": r["world_size"],
+            "backend": r.get("backend"), "peak_reserved_gib": round(r["peak_memory_mb"] / 1024, 2),
+            "nvidia_smi_peak_gib": round(smi_peak_mib / 1024, 2) if smi_peak_mib else None,
+            "loss_curve": r["loss_curve"], "final_loss": r["loss_curve"][-1][1], "layout": r["layout"]}
+
+
+def run(args, env, state: Path, cache: Path, strategy: str, data: Path, stats: dict) -> dict:
+    from tasks.launcher import run_worker, torchrun_module
+    from tasks.train import training_plan
+
+    ids = [g.index for g in env.gpus][:args.gpus]
+    cfg = config(args, cache, strategy, host_hardware(args, ids))
+    sel, plan = resolved(cfg, env, ids)
+    base = quantized_base(cfg, plan, sel, state / "work" / strategy)
+    out = fresh(state / "out" / strategy)
+    tplan = training_plan(cfg, workload_dataset(data, stats), base, plan, sel)
+    job = train_job(out, cfg, plan, base, data, tplan, strategy)
     with MemoryPoller(ids) as mem:
         run_worker("train", torchrun_module("tasks.train_worker", job, plan.nproc), child_env(ids), out)
     r = json.loads((out / "train_metrics.json").read_text())
-    steady = r["steady_state"]
-    row = {"strategy": strategy, "model": cfg.model.source, "ranks": r["world_size"], "device": gpu_name(ids),
-           "quant_storage": base.quant_storage, "tokens_per_second": steady["tokens_per_second"],
-           "tokens_per_second_min": steady["min"], "tokens_per_second_max": steady["max"],
-           "windows": steady["windows"], "whole_run_tokens_per_second": r["tokens_per_second"],
-           "train_tokens": r["train_tokens"], "steps": r["steps"],
-           "peak_reserved_gib": round(r["peak_memory_mb"] / 1024, 2),
-           "nvidia_smi_peak_gib": round(mem.peak / 1024, 2) if mem.peak else None,
-           "param_mib_per_rank": r["rank_param_mb"], "loss_curve": r["loss_curve"],
-           "final_loss": r["loss_curve"][-1][1], "layout": r["layout"],
+    row = {"strategy": strategy, "model": cfg.model.source, "device": gpu_name(ids),
+           "quant_storage": base.quant_storage, **metrics_row(r, mem.peak), "param_mib_per_rank": r["rank_param_mb"],
            "micro_batch_tokens": tplan.micro_batch_tokens, "gradient_checkpointing": tplan.gradient_checkpointing,
            "predicted_peak_gib": tplan.predicted_peak_gib}
     print(f"[{strategy}] {row['tokens_per_second']} tokens/s steady ({row['whole_run_tokens_per_second']} whole run), "
           f"peak reserved {row['peak_reserved_gib']} GiB, parameters per rank {row['param_mib_per_rank']} MiB, "
           f"final loss {row['final_loss']:.4f}", flush=True)
     return row
+
+
+def loss_difference(curve: list, reference: list) -> tuple[float | None, int]:
+    """The largest absolute loss difference at the steps both curves logged, and how many steps that was."""
+    losses = dict(map(tuple, reference))
+    diffs = [abs(loss - losses[step]) for step, loss in curve if step in losses]
+    return (round(max(diffs), 6) if diffs else None), len(diffs)
 
 
 def compare(rows: dict[str, dict]) -> dict:
@@ -121,27 +164,29 @@ def compare(rows: dict[str, dict]) -> dict:
         a, b = fsdp.get(key), ddp.get(key)
         return round(a / b, 3) if a and b else None
 
-    losses = dict(map(tuple, ddp["loss_curve"]))
-    diffs = [abs(loss - losses[step]) for step, loss in fsdp["loss_curve"] if step in losses]
+    diff, compared = loss_difference(fsdp["loss_curve"], ddp["loss_curve"])
     return {"peak_reserved_fsdp_over_ddp": ratio("peak_reserved_gib"),
             "params_per_rank_fsdp_over_ddp": round(max(fsdp["param_mib_per_rank"]) / max(ddp["param_mib_per_rank"]),
                                                    3),
             "tokens_per_second_fsdp_over_ddp": ratio("tokens_per_second"),
-            "max_loss_difference": round(max(diffs), 6) if diffs else None,
-            "loss_steps_compared": len(diffs)}
+            "max_loss_difference": diff, "loss_steps_compared": compared}
+
+
+def head_lines(rep: dict, title: str) -> list[str]:
+    gpus = rep["gpus"]
+    where = f"{len(gpus)} x {gpus[0]['name']}" if gpus else f"CPU, {rep['ranks']} ranks (gloo)"
+    return [f"# {title}: {where}", "", f"- date: {rep['date']}", f"- command: `{rep['command']}`",
+            f"- host {rep['host']}, driver {rep['driver']}, CUDA {rep['cuda']}, python {rep['python']}",
+            "- versions: " + ", ".join(f"{k} {v}" for k, v in rep["versions"].items() if v),
+            f"- workload: {rep['workload']['rows']} rows, lengths median {rep['workload']['median_length']}, "
+            f"{rep['workload']['tokens']} tokens; {rep['steps']} steps", ""]
 
 
 def markdown(rep: dict) -> str:
-    gpus = rep["gpus"]
-    head = f"{len(gpus)} x {gpus[0]['name']}" if gpus else f"CPU, {rep['ranks']} ranks (gloo)"
-    lines = [f"# Scale-out benchmark: {head}", "", f"- date: {rep['date']}", f"- command: `{rep['command']}`",
-             f"- host {rep['host']}, driver {rep['driver']}, CUDA {rep['cuda']}, python {rep['python']}",
-             "- versions: " + ", ".join(f"{k} {v}" for k, v in rep["versions"].items() if v),
-             f"- workload: {rep['workload']['rows']} rows, lengths median {rep['workload']['median_length']}, "
-             f"{rep['workload']['tokens']} tokens; {rep['steps']} steps", "",
-             "| strategy | ranks | 4-bit storage | tokens/s (steady) | min..max | whole run | peak reserved GiB "
-             "(busiest rank) | nvidia-smi GiB | parameters MiB per rank | final loss | layout |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = head_lines(rep, "Scale-out benchmark") + [
+        "| strategy | ranks | 4-bit storage | tokens/s (steady) | min..max | whole run | peak reserved GiB "
+        "(busiest rank) | nvidia-smi GiB | parameters MiB per rank | final loss | layout |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["runs"]:
         lines.append(f"| {r['strategy']} | {r['ranks']} | {r['quant_storage']} | {r['tokens_per_second']} | "
                      f"{r['tokens_per_second_min']}..{r['tokens_per_second_max']} | "
@@ -153,31 +198,48 @@ def markdown(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(out: Path, report: dict, render) -> None:
+    """Rewritten after every run, so a call cut short still leaves the report of what finished."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(render(report))
+
+
 def main(argv: list[str] | None = None) -> int:
     from tasks.environment import run_probe
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="qwen3-8b", help="a generated model shape (tasks/models.py ARCHS)")
+    parser.add_argument("--shape", help="a generated model shape (tasks/models.py ARCHS; default qwen3-8b, with "
+                        "--launchers qwen3-0.6b)")
     parser.add_argument("--strategies", default="ddp,fsdp")
+    parser.add_argument("--launchers", nargs="?", const="host,torchrun-2node,ray-2node",
+                        help="instead of strategies: DDP started by each of host, torchrun-2node, ray-2node (all three "
+                        "when given no list; benchmarks/scale_launchers.py)")
+    parser.add_argument("--launch-timeout", type=float, default=300,
+                        help="seconds one launch may take (--launchers): past it its processes are killed and the "
+                        "report says so")
     parser.add_argument("--gpus", type=int, default=2, help="GPUs to train on (the first N)")
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks where there is no GPU")
     parser.add_argument("--rows", type=int, default=4000)
     parser.add_argument("--steps", type=int, help="optimizer steps (default 20; 3 with --smoke)")
-    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the steady state")
+    parser.add_argument("--warmup", type=int, default=4, help="learning-rate warm-up steps")
     parser.add_argument("--accumulation", type=int, default=4, help="x 8 rows = the effective batch per rank")
     parser.add_argument("--learning-rate", type=float, default=2e-4,
                         help="2e-4: at 1e-3 the 2-GPU DDP run of train_speed.py diverged (benchmarks/README.md)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for both runs, e.g. train.micro_batch_tokens=8192 (the same "
-                        "micro-batch for both; by default the planner fills each rank's memory)")
+                        help="a config override for every run, e.g. train.micro_batch_tokens=8192 (the same "
+                        "micro-batch for both strategies; by default the planner fills each rank's memory)")
     parser.add_argument("--state", default="/tmp/finetune-flows-scale-bench")
     parser.add_argument("--cache", help="the store to keep models and 4-bit bases in (default: <state>/cache)")
     parser.add_argument("--out", help="report directory (default benchmarks/results/scale-out-<N>xGPU-<time>)")
     parser.add_argument("--smoke", action="store_true", help="tiny model, CPU ranks: the machinery end to end")
     args = parser.parse_args(argv)
+    args.shape = args.shape or ("qwen3-0.6b" if args.launchers else "qwen3-8b")
     if args.smoke:
         args.shape, args.rows, args.warmup, args.accumulation = "tiny-llama", 64, 1, 1
     args.steps = args.steps or (3 if args.smoke else 20)
+    # a `timeout` or a scheduler's SIGTERM unwinds like Ctrl-C: the finally blocks stop the workers and Ray
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     state = Path(args.state).resolve()
     cache = Path(args.cache).resolve() if args.cache else state / "cache"
     env = run_probe(state / "probe")
@@ -193,27 +255,39 @@ def main(argv: list[str] | None = None) -> int:
         vocab = len(AutoTokenizer.from_pretrained(materialize_tokenizer(f"generated:{args.shape}", cache)))
     data = state / "workload" / f"{args.shape}-{args.rows}"
     stats = write_workload(data, args.rows, min(vocab, CHAIN_VOCAB), args.smoke)
-    kept = state / "runs"  # each run's row, so `--strategies ddp` and `--strategies fsdp` build one report
-    kept.mkdir(parents=True, exist_ok=True)
-    for strategy in [s for s in args.strategies.split(",") if s]:
-        row = run(args, env, state, cache, strategy, data, stats)
-        (kept / f"{args.shape}-{args.steps}-{strategy}.json").write_text(json.dumps(row, indent=2))
-    rows = {r["strategy"]: r for r in (json.loads(p.read_text())
-                                       for p in sorted(kept.glob(f"{args.shape}-{args.steps}-*.json")))}
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"scale-out-{len(gpus)}xGPU-{stamp}"
     report = {"date": stamp, "command": "python benchmarks/scale_out.py " + " ".join(
                   argv if argv is not None else sys.argv[1:]),
               "host": platform.node(), "python": platform.python_version(), "gpus": [g.model_dump() for g in gpus],
               "ranks": len(gpus) or args.ranks, "driver": env.driver_version, "cuda": env.cuda_version,
-              "versions": versions(), "workload": stats, "steps": args.steps, "runs": list(rows.values()),
-              "fsdp_vs_ddp": compare(rows)}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(markdown(report))
-    print(markdown(report))
+              "versions": versions(), "workload": stats, "steps": args.steps}
+    # each run's row, so runs made in separate calls (`--strategies ddp`, then `--strategies fsdp`) build one report
+    if args.launchers:
+        from benchmarks import scale_launchers
+
+        kept = state / "runs" / "launchers"
+        names = scale_launchers.names(args.launchers)
+        bench = scale_launchers.LaunchBench(args, env, state, cache, data, stats)
+        run_one, key, finish, render = bench.run, "launcher", scale_launchers.finish, scale_launchers.markdown
+    else:
+        kept = state / "runs" / "strategies"
+        names = [s for s in args.strategies.split(",") if s]
+        run_one = lambda strategy: run(args, env, state, cache, strategy, data, stats)  # noqa: E731
+        key, finish, render = "strategy", (lambda rows: {"fsdp_vs_ddp": compare(rows)}), markdown
+    kept.mkdir(parents=True, exist_ok=True)
+    failed = False
+    for name in names:
+        row = run_one(name)
+        failed |= "error" in row
+        (kept / f"{args.shape}-{args.steps}-{name}.json").write_text(json.dumps(row, indent=2))
+        rows = {r[key]: r for r in (json.loads(p.read_text())
+                                    for p in sorted(kept.glob(f"{args.shape}-{args.steps}-*.json")))}
+        report.update({"runs": list(rows.values()), **finish(rows)})  # finish may order the runs
+        write_report(out, report, render)
+    print(render(report))
     print(f"report: {out}", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

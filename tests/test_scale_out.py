@@ -99,6 +99,40 @@ def test_resume_point_without_a_process_group_is_the_newest_complete_checkpoint(
     assert agreed_checkpoint(tmp_path / "missing") is None
 
 
+def test_launcher_report_reads_nccl_and_ray_logs_and_keeps_a_failed_launch():
+    from benchmarks.scale_launchers import finish, markdown, nccl_seen, ray_placement
+
+    # the lines as NCCL 2.2x and Ray Train 2.60 print them (NCCL's INFO(NCCL_INIT|NCCL_NET, ...) formats)
+    log = "\n".join([
+        "h:81:90 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] [send] via NET/Socket/0",
+        "(RayTrainWorker pid=7) h:82:91 [0] NCCL INFO Channel 01/0 : 1[0] -> 0[0] [receive] via NET/Socket/0",
+        "h:81:81 [0] NCCL INFO ncclCommInitRankConfig comm 0x5 rank 0 nranks 2 cudaDev 0 nvmlDev 0 busId 18000 "
+        "commId 0x1 - Init COMPLETE",
+        "h:82:82 [0] NCCL INFO ncclCommInitRankConfig comm 0x6 rank 1 nranks 2 cudaDev 0 nvmlDev 1 busId 2a000 "
+        "commId 0x1 - Init COMPLETE",
+        "(TrainController pid=3) - (ip=127.0.0.2, pid=9) world_rank=1, local_rank=0, node_rank=1"])
+    assert nccl_seen(log) == {"nccl_transports": ["NET/Socket/0"], "gpu_bus_ids": ["18000", "2a000"]}
+    assert ray_placement(log) == ["127.0.0.2: world_rank=1, local_rank=0, node_rank=1"]
+
+    def row(name: str, speed: float, losses: list[float]) -> dict:
+        return {"launcher": name, "nodes": 2, "ranks": 2, "backend": "nccl", "nccl_transports": [], "gpu_bus_ids": [],
+                "tokens_per_second": speed, "tokens_per_second_min": speed, "tokens_per_second_max": speed,
+                "whole_run_tokens_per_second": speed / 2, "launch_seconds": 1.0, "peak_reserved_gib": 1.0,
+                "nvidia_smi_peak_gib": None, "final_loss": losses[-1], "forced_env": {}, "commands": ["x"],
+                "loss_curve": [[step, loss] for step, loss in enumerate(losses, 1)]}
+
+    done = finish({"ray-2node": {"launcher": "ray-2node", "error": "TimeoutError: still running\nmore"},
+                   "torchrun-2node": row("torchrun-2node", 900.0, [2.0, 1.6]), "host": row("host", 1000.0, [2.0, 1.5])})
+    assert [r["launcher"] for r in done["runs"]] == ["host", "torchrun-2node", "ray-2node"]
+    assert done["vs_host"] == {"torchrun-2node": {
+        "steady_tokens_per_second_over_host": 0.9, "whole_run_tokens_per_second_over_host": 0.9,
+        "max_loss_difference": 0.1, "loss_steps_compared": 2}}
+    text = markdown({"date": "d", "command": "c", "host": "h", "driver": None, "cuda": None, "python": "3",
+                     "versions": {}, "gpus": [], "ranks": 2, "steps": 2, "workload": {
+                         "rows": 1, "median_length": 1, "tokens": 1}, **done})
+    assert "| ray-2node | failed: TimeoutError: still running |" in text and "| 2 | 1.500000 | 1.600000 |" in text
+
+
 # ------------------------------------------------------------------ real runs
 
 
@@ -159,6 +193,38 @@ def test_scale_out_benchmark_smoke_run_writes_the_report(shared_cache, tmp_path)
     assert run["whole_run_tokens_per_second"] > 0 and run["peak_reserved_gib"] > 0
     assert len(run["param_mib_per_rank"]) == 2 and len(run["loss_curve"]) == 2
     assert "| fsdp | 2 | float32 |" in (out / "report.md").read_text()
+
+
+@pytest.mark.timeout(900)
+def test_scale_out_launchers_smoke_run_compares_host_torchrun_nodes_and_raylets(shared_cache, tmp_path):
+    """`bench-scale --launchers` on the CPU, one rank per "node": 2 gloo ranks on one host, two torchrun launchers at
+    a c10d rendezvous on 127.0.0.1, and a Ray cluster of two raylets the benchmark starts (one address each), in one
+    report; both two-node curves equal the host's (fp32, the same data order and seed)."""
+    pytest.importorskip("ray.train", reason="the `ray` extra (make test installs it)")
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "benchmarks/scale_out.py", "--smoke", "--launchers",
+                           "host,torchrun-2node,ray-2node", "--launch-timeout", "400", "--state", str(tmp_path / "state"),
+                           "--cache", str(shared_cache / "scale"), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=850)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    runs = {r["launcher"]: r for r in report["runs"]}
+    assert list(runs) == ["host", "torchrun-2node", "ray-2node"]
+    for r in runs.values():
+        assert (r["ranks"], r["backend"], r["rank_steps"], r["steps"]) == (2, "gloo", [3, 3], 3)
+        assert r["whole_run_tokens_per_second"] > 0 and r["peak_reserved_gib"] > 0 and r["launch_seconds"] > 0
+    assert [len(runs[n]["commands"]) for n in runs] == [1, 2, 1]  # two launchers for the torchrun nodes
+    assert all("--nnodes=2" in c and "--rdzv-backend=c10d" in c for c in runs["torchrun-2node"]["commands"])
+    # each node wrote its own result (no shared output directory)
+    assert all((Path(log).parent / "train_metrics.json").is_file() for log in runs["torchrun-2node"]["logs"])
+    # one worker per raylet, each its node's local rank 0 (a GPU run sets that rank's device by it)
+    workers = runs["ray-2node"]["ray_workers"]
+    assert {w.split(":")[0] for w in workers} == {"127.0.0.1", "127.0.0.2"} and len(workers) == 2
+    assert all("local_rank=0," in w for w in workers)
+    for name in ("torchrun-2node", "ray-2node"):
+        assert report["vs_host"][name]["loss_steps_compared"] == 3
+        assert_same_curve([tuple(x) for x in runs[name]["loss_curve"]], [tuple(x) for x in runs["host"]["loss_curve"]])
+    assert "| ray-2node | 2 | 2 | gloo |" in (out / "report.md").read_text()
 
 
 @pytest.fixture(scope="module")
