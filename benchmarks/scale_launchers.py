@@ -22,7 +22,8 @@ which GPU (PCI bus id) each rank held. Rows: steady tokens/s (median, min..max o
 worker's warm-up; none when a run is too short for one window), whole-run tokens/s, seconds from launch to exit,
 the peak memory reserved on the busiest rank and nvidia-smi's peak, world size, backend, the loss curve and its
 largest difference from the host run's at any logged step. A launch that fails or outlives --launch-timeout is
-killed (all its processes) and reported as failed; the others still run.
+killed (all its processes) and reported as failed; the others still run. A process that fails after every node
+wrote its results leaves the row, with the failure noted.
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ def names(spec: str) -> list[str]:
     return chosen
 
 
+def ray_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ray")
+    except PackageNotFoundError:
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,16 +115,19 @@ class Node:
             signal_tree(tree(ident.pid), ident.pid, signal.SIGKILL)
 
 
-def run_nodes(nodes: list[Node], timeout: float) -> None:
-    """Start every node's launcher and wait for all. When one fails or the time is up the others are killed: they
-    would wait for their peer until the rendezvous or NCCL timeout."""
+def run_nodes(nodes: list[Node], timeout: float, grace: float = 60) -> None:
+    """Start every node's launcher and wait for all. The others get `grace` seconds after one fails (a rank that
+    dies on its way out must not cut off a peer still writing its results), then they are killed, as they are when
+    the time is up: they would wait for their peer until the rendezvous or NCCL timeout."""
     for node in nodes:
         node.thread.start()
     deadline = time.monotonic() + timeout
     try:
-        while any(n.thread.is_alive() for n in nodes) and not any(n.error for n in nodes):
+        while any(n.thread.is_alive() for n in nodes):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"still running after --launch-timeout {timeout:g} s")
+            if time.monotonic() > min(n.failed_at for n in nodes) + grace:
+                break
             time.sleep(0.5)
     finally:
         for node in nodes:
@@ -218,6 +231,8 @@ class LaunchBench:
     def run(self, name: str) -> dict:
         out = self.state / "out" / name
         started = time.monotonic()
+        nodes: list[Node] = []
+        exit_error = None
         try:
             with MemoryPoller(self.ids) as mem:
                 if name == "ray-2node":
@@ -228,9 +243,13 @@ class LaunchBench:
                     nodes = self.host(out) if name == "host" else self.torchrun_nodes(out)
                     run_nodes(nodes, self.args.launch_timeout)
         except Exception as exc:
-            print(f"[{name}] failed: {exc}", flush=True)
-            return {"launcher": name, "error": f"{type(exc).__name__}: {exc}"[-3000:],
-                    "logs": [str(o) for o in sorted(out.glob("**/train.log"))]}
+            message = f"{type(exc).__name__}: {exc}"[-3000:]
+            # every node wrote its results (fresh directories) before a process failed, e.g. a rank on its way out
+            if not (nodes and all((n.out / "train_metrics.json").is_file() for n in nodes)):
+                print(f"[{name}] failed: {exc}", flush=True)
+                return {"launcher": name, "error": message, "logs": [str(o) for o in sorted(out.glob("**/train.log"))]}
+            exit_error = message
+            print(f"[{name}] a process failed after every node wrote its results: {exc}", flush=True)
         seconds = round(time.monotonic() - started, 1)
         r = json.loads((nodes[0].out / "train_metrics.json").read_text())
         logs = "\n".join((n.out / "train.log").read_text(errors="replace") for n in nodes)
@@ -239,7 +258,8 @@ class LaunchBench:
                **nccl_seen(logs), "rank_steps": r["rank_steps"],
                "ray_workers": ray_placement(logs),
                "forced_env": {} if name == "host" else NCCL_SOCKETS,
-               "commands": [shown(n.argv) for n in nodes], "logs": [str(n.out / "train.log") for n in nodes]}
+               "commands": [shown(n.argv) for n in nodes], "logs": [str(n.out / "train.log") for n in nodes],
+               "exit_error": exit_error}
         print(f"[{name}] world size {row['ranks']} ({row['backend']}), {row['tokens_per_second']} tokens/s steady "
               f"({row['whole_run_tokens_per_second']} whole run), peak reserved {row['peak_reserved_gib']} GiB, "
               f"NCCL {row['nccl_transports'] or '-'}, final loss {row['final_loss']:.6f}", flush=True)
@@ -283,6 +303,10 @@ def markdown(rep: dict) -> str:
                      f"{r['tokens_per_second_min']}..{r['tokens_per_second_max']} | "
                      f"{r['whole_run_tokens_per_second']} | {r['launch_seconds']} | {r['peak_reserved_gib']} | "
                      f"{r['nvidia_smi_peak_gib']} | {r['final_loss']:.6f} | {versus.get('max_loss_difference', '')} |")
+    late = [r for r in rep["runs"] if r.get("exit_error")]
+    if late:
+        lines += ["", "A process failed after every node had written its results (the figures above were measured "
+                  "before):", ""] + [f"- {r['launcher']}: {r['exit_error'].splitlines()[0][:300]}" for r in late]
     if rep["vs_host"]:
         lines += ["", "## Against the host run", ""]
         lines += [f"- {name}: " + ", ".join(f"{k} {v}" for k, v in v.items()) for name, v in rep["vs_host"].items()]

@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import scale_launchers
 
         kept = state / "runs" / "launchers"
+        report["versions"]["ray"] = scale_launchers.ray_version()
         names = scale_launchers.names(args.launchers)
         bench = scale_launchers.LaunchBench(args, env, state, cache, data, stats)
         run_one, key, finish, render = bench.run, "launcher", scale_launchers.finish, scale_launchers.markdown

@@ -122,7 +122,8 @@ def test_launcher_report_reads_nccl_and_ray_logs_and_keeps_a_failed_launch():
                 "loss_curve": [[step, loss] for step, loss in enumerate(losses, 1)]}
 
     done = finish({"ray-2node": {"launcher": "ray-2node", "error": "TimeoutError: still running\nmore"},
-                   "torchrun-2node": row("torchrun-2node", 900.0, [2.0, 1.6]), "host": row("host", 1000.0, [2.0, 1.5])})
+                   "torchrun-2node": {**row("torchrun-2node", 900.0, [2.0, 1.6]), "exit_error": "WorkerFailed: rank 1"},
+                   "host": row("host", 1000.0, [2.0, 1.5])})
     assert [r["launcher"] for r in done["runs"]] == ["host", "torchrun-2node", "ray-2node"]
     assert done["vs_host"] == {"torchrun-2node": {
         "steady_tokens_per_second_over_host": 0.9, "whole_run_tokens_per_second_over_host": 0.9,
@@ -131,6 +132,7 @@ def test_launcher_report_reads_nccl_and_ray_logs_and_keeps_a_failed_launch():
                      "versions": {}, "gpus": [], "ranks": 2, "steps": 2, "workload": {
                          "rows": 1, "median_length": 1, "tokens": 1}, **done})
     assert "| ray-2node | failed: TimeoutError: still running |" in text and "| 2 | 1.500000 | 1.600000 |" in text
+    assert "written its results" in text and "- torchrun-2node: WorkerFailed: rank 1" in text  # measured, then failed
 
 
 # ------------------------------------------------------------------ real runs
