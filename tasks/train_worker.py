@@ -379,5 +379,17 @@ def _train(job: dict) -> dict | None:
     return result
 
 
+def _torchrun_rank(job: dict) -> dict | None:
+    """A torchrun rank: train, then close the process group before the interpreter exits (left to teardown at
+    exit, a gloo rank aborted now and then with "terminate called without an active exception" after rank 0 had
+    written the metrics, failing a finished attempt; Ray Train closes its own group)."""
+    import torch.distributed as dist
+
+    result = _train(job)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
 if __name__ == "__main__":
-    worker_main(_train)
+    worker_main(_torchrun_rank)
