@@ -85,3 +85,15 @@ def kill_rank_after_checkpoint(adapters: Path, rank: int, checkpoint_glob: str, 
     thread.start()
     return thread, killed
 
+
+@pytest.fixture(scope="module")
+def two_rank_reference(prefect_server, shared_cache, tmp_path_factory):
+    """2-rank torchrun (gloo) on one host: the curve the scaled-out launches must reproduce (tests/test_scale_*.py;
+    the second module to ask is served from the shared cache)."""
+    from flows.finetune import finetune
+
+    result = finetune(None, tiny_overrides(shared_cache / "scale", tmp_path_factory.mktemp("runs"),
+                                           **{"hardware.cpu_processes": 2}))
+    assert result.train.world_size == 2
+    return result
+
