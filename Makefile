@@ -50,8 +50,10 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(PY) flows/finetune.py $(ARGS)
 
-# Two pytest-xdist workers (a test file stays on one worker: its module fixtures are shared); TEST_WORKERS=0 runs serially.
-TEST_WORKERS ?= 2
+# Three pytest-xdist workers on two cores (a test file stays on one worker: its module fixtures are shared; much of
+# the suite waits on servers and child processes, so a third worker fills idle cores: 21.3 min vs 23.5 with two).
+# TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 3
 test: setup test-deps
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
