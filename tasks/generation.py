@@ -152,12 +152,13 @@ def _sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register_cpu_gqa_attention() -> None:
+def _register_attention(name: str, function) -> None:
+    """Make `name` an attention implementation transformers can switch to, with sdpa's mask format."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(CPU_GQA_ATTENTION, _sdpa_gqa)
-    AttentionMaskInterface.register(CPU_GQA_ATTENTION, sdpa_mask)
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
 
 
 GROUPED_DECODE = "finetune_flows_grouped_decode"
@@ -192,14 +193,6 @@ def _grouped_attention(module, query, key, value, attention_mask, dropout: float
     probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b, kv_heads, group * lq, length)
     out = torch.matmul(probs, value).view(b, heads, lq, dim)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _register_grouped_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(GROUPED_DECODE, _grouped_attention)
-    AttentionMaskInterface.register(GROUPED_DECODE, sdpa_mask)
 
 
 def last_position(tokens):
@@ -427,7 +420,7 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
         raise EngineUnavailable("CUDA graphs need a CUDA device; this model is on " + str(device))
     configured_attn = prefill_attn = model.config._attn_implementation
     if device.type == "cpu" and prefill_attn == "sdpa":
-        _register_cpu_gqa_attention()
+        _register_attention(CPU_GQA_ATTENTION, _sdpa_gqa)
         prefill_attn = CPU_GQA_ATTENTION
         model.set_attn_implementation(prefill_attn)
     # Flash kernels unpad a padded batch using host-side sizes, which a CUDA graph cannot capture: with them the
@@ -435,7 +428,7 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
     decode_attn = "sdpa" if cuda_graphs and prefill_attn not in ("sdpa", "eager") else prefill_attn
     if grouped_decode:
-        _register_grouped_attention()
+        _register_attention(GROUPED_DECODE, _grouped_attention)
         decode_attn = GROUPED_DECODE
     prefill_tokens = min(batch_tokens, PREFILL_TOKENS[device.type == "cuda"])
     batches = length_sorted_batches([len(p) for p in prompt_ids], max_new_tokens, batch_tokens)
