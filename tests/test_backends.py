@@ -140,3 +140,25 @@ def test_eval_dtype_auto_is_bf16_only_on_bf16_cpus_for_wide_models():
     with pytest.raises(EnvironmentMismatch, match="eval.dtype=float16 needs a GPU"):
         resolve_plan(load_config(None, ["hardware.gpus=cpu", "eval.dtype=float16"]), report([]),
                      selection_for("cpu", []))
+
+
+def test_gpu_proof_reuses_the_gpu_tier_an_earlier_call_left_and_refuses_when_there_is_none(tmp_path):
+    import importlib.util
+    import json
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("gpu_proof", REPO / "benchmarks" / "gpu_proof.py")
+    proof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proof)
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    with pytest.raises(SystemExit, match="no earlier GPU test results"):
+        proof.gpu_tests("reuse", work, out)
+    assert proof.gpu_tests("skip", work, out)["summary"] == "skipped"
+    earlier = {"exit_code": 0, "seconds": 1.0, "results": ["PASSED tests/test_gpu.py::x"], "summary": "1 passed"}
+    (work / "gpu-tests.json").write_text(json.dumps(earlier))
+    (work / "gpu-tests.log").write_text("the log")
+    assert proof.gpu_tests("reuse", work, out) == earlier
+    assert (out / "gpu-tests.log").read_text() == "the log"  # the report directory gets the earlier call's log

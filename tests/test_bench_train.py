@@ -31,3 +31,22 @@ def test_training_benchmark_smoke_run_writes_the_report(tmp_path):
     assert ours["layout"].startswith("packed") and ours["training_plan"]["packing"]
     assert 0 < ours["loss_curve"][-1][0] <= ours["steps"] and ours["grad_norms"] and ours["grad_norms"][0][1] > 0
     assert "| seed-tiny-llama |" in (out / "report.md").read_text()
+
+
+def test_two_gpu_variants_get_their_own_scaling_beside_the_plain_one(tmp_path):
+    """ours-2gpu-<shape> against ours-<shape> is `ddp_2gpu_scaling`; a `2gpu-<label>` variant is paired with the
+    1-GPU variant of the same label under its own key, never overwriting the plain one."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("train_speed", REPO / "benchmarks" / "train_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (tmp_path / "runs").mkdir()
+    for name, speed in [("ours-qwen3-0.6b", 100.0), ("ours-2gpu-qwen3-0.6b", 190.0),
+                        ("ours-noliger-qwen3-0.6b", 80.0), ("ours-2gpu-noliger-qwen3-0.6b", 120.0)]:
+        (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(
+            {"name": name, "model": "generated:qwen3-0.6b", "tokens_per_second": speed}))
+    env = SimpleNamespace(gpus=[], driver_version=None, cuda_version=None)
+    speedup = bench.build_report(tmp_path, env, "cmd")["speedup"]
+    assert speedup == {"ddp_2gpu_scaling": 1.9, "ddp_2gpu_scaling:noliger": 1.5}
