@@ -3,6 +3,8 @@
     make gpu-proof                      # or: python benchmarks/gpu_proof.py [--model SOURCE] [--out DIR]
     python benchmarks/gpu_proof.py --tests only            # the GPU test tier alone (results kept in --work)
     python benchmarks/gpu_proof.py --tests reuse --runs 2gpu-ddp   # then flow runs, one report with both
+    python benchmarks/gpu_proof.py --tests only --test-paths tests/test_gpu.py   # the tier split over calls:
+    python benchmarks/gpu_proof.py --tests only --append-tests --test-paths tests/test_faults.py,...
 
 Writes benchmarks/results/gpu-proof-<N>xGPU-<date>.{json,md}: environment and versions, the GPU test results,
 flow wall times, tokens/s on 1 GPU (and 2 GPUs where there are two), peak memory, the eval table, and the
@@ -29,30 +31,46 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def run_gpu_tests(work: Path) -> dict:
-    """The whole GPU tier (`make test-gpu`: every test marked `gpu`), its log and JUnit XML kept in `work` with a
-    summary JSON, so a later call (`--tests reuse`) can put them in its report."""
+def run_gpu_tests(work: Path, paths: list[str], append: bool = False) -> dict:
+    """The GPU tier (`make test-gpu`: every test marked `gpu`) in `paths`, its log (written as it runs, so a call cut
+    short by a time limit still leaves it) and JUnit XML kept in `work` with a summary JSON, so a later call
+    (`--tests reuse`) can put them in its report. With `append` the results join those an earlier call left there
+    (the tier split over calls: `--test-paths`)."""
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
-                           "-s", f"--junitxml={work / 'gpu-tests.xml'}", "tests/"],
-                          cwd=REPO, capture_output=True, text=True)
-    (work / "gpu-tests.log").write_text(proc.stdout + proc.stderr)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
-    result = {"exit_code": proc.returncode, "seconds": round(time.perf_counter() - started, 1), "results": lines,
-              "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""}
+    part = len(json.loads((work / "gpu-tests.json").read_text()).get("parts", [])) if append and \
+        (work / "gpu-tests.json").is_file() else 0
+    xml, log = work / f"gpu-tests-{part}.xml", work / f"gpu-tests-{part}.log"
+    with log.open("w") as sink:
+        code = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
+                               "-s", "--durations=15", f"--junitxml={xml}", *paths],
+                              cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True).returncode
+    output = log.read_text()
+    lines = [line for line in output.splitlines() if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
+    result = {"exit_code": code, "seconds": round(time.perf_counter() - started, 1), "results": lines,
+              "summary": output.strip().splitlines()[-1] if output.strip() else "", "paths": paths}
+    if part:
+        earlier = json.loads((work / "gpu-tests.json").read_text())
+        result = {"exit_code": max(earlier["exit_code"], code), "seconds": earlier["seconds"] + result["seconds"],
+                  "results": earlier["results"] + lines, "summary": "; ".join(
+                      p["summary"] for p in [*earlier["parts"], result]), "parts": [*earlier["parts"], result]}
+    else:
+        result = {**result, "parts": [dict(result)]}
+    with (work / "gpu-tests.log").open("w") as whole:  # every part's log, in order
+        whole.write("\n".join((work / f"gpu-tests-{i}.log").read_text() for i in range(part + 1)))
+    shutil.copyfile(xml, work / "gpu-tests.xml")
     (work / "gpu-tests.json").write_text(json.dumps(result, indent=2))
     return result
 
 
-def gpu_tests(mode: str, work: Path, out: Path) -> dict:
+def gpu_tests(mode: str, work: Path, out: Path, paths: list[str] | None = None, append: bool = False) -> dict:
     """`run` the GPU tier now, `reuse` what an earlier `--tests only` call on this machine left in `work`, or
     `skip` it; the log and XML go beside the report either way."""
     if mode == "skip":
         return {"summary": "skipped", "results": [], "seconds": 0}
     if mode == "reuse" and not (work / "gpu-tests.json").is_file():
         raise SystemExit(f"--tests reuse: no earlier GPU test results in {work} (run with --tests only first)")
-    result = run_gpu_tests(work) if mode in ("run", "only") else json.loads((work / "gpu-tests.json").read_text())
-    for name in ("gpu-tests.log", "gpu-tests.xml"):
+    result = run_gpu_tests(work, paths or ["tests/"], append) if mode in ("run", "only") else json.loads((work / "gpu-tests.json").read_text())
+    for name in ("gpu-tests.log", *(p.name for p in sorted(work.glob("gpu-tests*.xml")))):
         if (work / name).is_file():
             shutil.copyfile(work / name, out / name)
     return result
@@ -165,6 +183,10 @@ def main() -> int:
                         help="the GPU test tier: run it, skip it, run only it (results kept in --work), or reuse "
                         "the results an earlier `--tests only` call left in --work (so tests and flow runs can go "
                         "in separate calls and make one report)")
+    parser.add_argument("--test-paths", default="tests/", help="comma-separated test files for the GPU tier (default: "
+                        "all); with --tests only and --append-tests the tier can be split over several calls")
+    parser.add_argument("--append-tests", action="store_true", help="add these --tests only results to those an "
+                        "earlier call left in --work instead of replacing them")
     parser.add_argument("--skip-tests", action="store_true", help="the same as --tests skip")
     parser.add_argument("--runs", default="", help="comma-separated flow runs to do (default: all that apply)")
     args = parser.parse_args()
@@ -183,7 +205,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {"date": stamp, "host": platform.node(), "gpu_count": n, "command": " ".join(sys.argv),
               "environment": env.model_dump(mode="json"), "flow_runs": [], "attention_comparisons": []}
-    report["gpu_tests"] = gpu_tests("skip" if args.skip_tests else args.tests, work, out)
+    report["gpu_tests"] = gpu_tests("skip" if args.skip_tests else args.tests, work, out,
+                                    args.test_paths.split(","), args.append_tests)
     print("gpu tests:", report["gpu_tests"]["summary"], flush=True)
     if args.tests == "only":
         save(report, out)

@@ -142,15 +142,22 @@ def test_eval_dtype_auto_is_bf16_only_on_bf16_cpus_for_wide_models():
                      selection_for("cpu", []))
 
 
-def test_gpu_proof_reuses_the_gpu_tier_an_earlier_call_left_and_refuses_when_there_is_none(tmp_path):
+def gpu_proof_module():
+    """benchmarks/gpu_proof.py (a script, not a package module) loaded as a module."""
     import importlib.util
-    import json
 
     from conftest import REPO
 
     spec = importlib.util.spec_from_file_location("gpu_proof", REPO / "benchmarks" / "gpu_proof.py")
     proof = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(proof)
+    return proof
+
+
+def test_gpu_proof_reuses_the_gpu_tier_an_earlier_call_left_and_refuses_when_there_is_none(tmp_path):
+    import json
+
+    proof = gpu_proof_module()
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     out.mkdir()
@@ -162,3 +169,24 @@ def test_gpu_proof_reuses_the_gpu_tier_an_earlier_call_left_and_refuses_when_the
     (work / "gpu-tests.log").write_text("the log")
     assert proof.gpu_tests("reuse", work, out) == earlier
     assert (out / "gpu-tests.log").read_text() == "the log"  # the report directory gets the earlier call's log
+
+
+def test_gpu_proof_splits_the_gpu_tier_over_calls_and_keeps_every_part(tmp_path):
+    """A lent machine's call has a time limit shorter than the whole tier: `--test-paths` runs a part, and
+    `--append-tests` adds the next part's results (here the real pytest run of two files, skipped without a GPU)."""
+    import json
+
+    proof = gpu_proof_module()
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    first = proof.gpu_tests("only", work, out, ["tests/test_faults.py"])
+    assert first["exit_code"] == 0 and len(first["parts"]) == 1 and first["results"]
+    both = proof.gpu_tests("only", work, out, ["tests/test_sharding.py"], append=True)
+    assert [p["paths"] for p in both["parts"]] == [["tests/test_faults.py"], ["tests/test_sharding.py"]]
+    assert both["results"] == first["results"] + both["parts"][1]["results"]
+    assert any("test_sharding.py" in line for line in both["results"])
+    assert json.loads((work / "gpu-tests.json").read_text()) == both  # what `--tests reuse` will report
+    log = (out / "gpu-tests.log").read_text()  # written as the tests run; every part's, in order
+    assert log.index("test_faults.py") < log.index("test_sharding.py")
+    assert (out / "gpu-tests-0.xml").is_file() and (out / "gpu-tests-1.xml").is_file()
