@@ -227,9 +227,11 @@ def main() -> int:
     parser.add_argument("--baseline-batch", type=int, default=50, help="reference engine batch size")
     parser.add_argument("--batch-tokens", type=int, default=None, help="static/continuous tokens per batch "
                         "(default: what the eval worker picks)")
-    parser.add_argument("--variants", default="generate,static,static-grouped,static-eager,continuous",
-                        help="comma list from generate, static, static-grouped (decode steps on grouped-query "
-                        "attention that reads each KV head once), static-eager, continuous, continuous-graphs")
+    parser.add_argument("--variants", default="generate,static,static-sdpa-decode,static-eager,continuous",
+                        help="comma list from generate, static (the default engine: on CUDA its decode steps run "
+                        "graphed on a grouped-query attention that reads each KV head once), static-sdpa-decode "
+                        "(the decode steps on transformers' sdpa instead), static-eager, continuous, "
+                        "continuous-graphs")
     parser.add_argument("--backends", default=None, help="comma list of attention backends (default: those `auto` "
                         "considers that are usable here; add flex_attention or a Hub kernel id by name)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -280,7 +282,7 @@ def main() -> int:
     new, metric = args.new_tokens, cfg.eval.metric
     memory = lambda: int(0.6 * torch.cuda.mem_get_info(device)[0]) if gpu else 2**30  # noqa: E731
 
-    def static(graphs, grouped=False):
+    def static(graphs, grouped=None):
         return lambda k: generate_static(copy_model, ids[:k] if k else ids, new, stops, pad, batch_tokens, graphs,
                                          grouped_decode=grouped)
 
@@ -288,7 +290,7 @@ def main() -> int:
         return lambda k: generate_continuous(copy_model, ids[:k] if k else ids, new, stops, pad,
                                              min(batch_tokens, 16384), memory(), cuda_graphs=graphs)
 
-    engines = {"static": static(None), "static-grouped": static(None, grouped=True), "static-eager": static(False),
+    engines = {"static": static(None), "static-sdpa-decode": static(None, grouped=False), "static-eager": static(False),
                "continuous": continuous(None),
                "continuous-graphs": continuous(True)}
     wanted = args.variants.split(",")

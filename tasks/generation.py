@@ -335,24 +335,28 @@ def _answer_loss(logits_at, cache, last, answers: list, width: int, positions, m
 def _prefill_in_chunks(logits_at, cache, ids, positions, mask, rows_per_chunk: int):
     """Read the prompts a few rows at a time, each chunk attending to its own prompts only, and copy their keys
     and values into the static cache: the attention does not span the cache's empty decode columns, and on a CPU
-    a chunk's activations stay in the processor caches (big batches pay off in decoding, not here). Returns the
-    logits of every row's last position."""
+    a chunk's activations stay in the processor caches (big batches pay off in decoding, not here). Each chunk is
+    read at its own width: the prompts are left-padded to the batch's longest, so a chunk of shorter ones starts at
+    the first column any of them uses, and the padding columns before it stay zero in the cache (masked out). Rows
+    come longest first (`length_sorted_batches`), so a big batch prefills about its real tokens, not rows x its
+    longest prompt. Returns the logits of every row's last position."""
     import torch
     from transformers import DynamicCache
 
     last = []
     for start in range(0, ids.shape[0], rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
+        used = mask[rows].bool().any(0)
+        begin = int(used.nonzero()[0, 0]) if bool(used.any()) else 0
         chunk_cache = DynamicCache(config=None)
-        last.append(logits_at(ids[rows], positions[rows], mask[rows], chunk_cache)[:, -1])
+        last.append(logits_at(ids[rows, begin:], positions[rows, begin:], mask[rows, begin:], chunk_cache)[:, -1])
         for static_layer, layer in zip(cache.layers, chunk_cache.layers):
             if not static_layer.is_initialized:  # allocate for the whole batch, shaped like the chunk's keys
                 static_layer.lazy_initialization(
                     layer.keys.new_empty((ids.shape[0], layer.keys.shape[1], 1, layer.keys.shape[-1])),
                     layer.values.new_empty((ids.shape[0], layer.values.shape[1], 1, layer.values.shape[-1])))
-            width = layer.keys.shape[-2]
-            static_layer.keys[rows, :, :width] = layer.keys
-            static_layer.values[rows, :, :width] = layer.values
+            static_layer.keys[rows, :, begin:ids.shape[1]] = layer.keys
+            static_layer.values[rows, :, begin:ids.shape[1]] = layer.values
     for static_layer in cache.layers:
         static_layer.cumulative_length.fill_(ids.shape[1])
     return torch.cat(last)
@@ -405,14 +409,15 @@ def _decode(step, cache, token, pos, mask, width: int, max_new_tokens: int, stop
 def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
                     batch_tokens: int, cuda_graphs: bool | None = None,
                     answers: list[tuple[list[int], list[int]] | None] | None = None,
-                    grouped_decode: bool = False) -> Generation:
+                    grouped_decode: bool | None = None) -> Generation:
     """Greedy answers of every prompt by length-sorted static batches (see the module doc).
 
     `answers` may give, per prompt, a reference continuation (token ids and their labels, -100 where not
     scored): its cross-entropy is then computed from the prompt's cached keys and values (`details["loss"]` =
     [summed loss, scored tokens]), so an evaluation's loss pass need not read those prompts again.
     `grouped_decode` runs the decode steps on `_grouped_attention` (each KV head read once, not copied out to its
-    query heads); `details` gives the prefill and decode seconds and the decode steps."""
+    query heads; default on CUDA, where it made the decode steps 3.8x faster on an H200, and not on the CPU, where
+    `_sdpa_gqa` already shares the heads); `details` gives the prefill and decode seconds and the decode steps."""
     import torch
 
     device = model.device
@@ -427,7 +432,7 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     # prompt is read by the flash kernel and the decode steps (one token per row) run graphed on sdpa.
     cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
     decode_attn = "sdpa" if cuda_graphs and prefill_attn not in ("sdpa", "eager") else prefill_attn
-    if grouped_decode:
+    if device.type == "cuda" if grouped_decode is None else grouped_decode:
         _register_attention(GROUPED_DECODE, _grouped_attention)
         decode_attn = GROUPED_DECODE
     prefill_tokens = min(batch_tokens, PREFILL_TOKENS[device.type == "cuda"])

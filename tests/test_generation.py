@@ -62,6 +62,7 @@ def test_engines_give_identical_greedy_tokens(model_and_prompts, adapter):
     }
     assert runs["static"].details["batches"] > 2  # several length-sorted batches were really used
     assert runs["static-grouped"].details["decode_attention"] == "finetune_flows_grouped_decode"
+    assert runs["static"].details["decode_attention"] != "finetune_flows_grouped_decode"  # its default is for CUDA
     assert runs["static"].details["decode_steps"] > 0 and runs["static"].details["decode_seconds"] > 0
     for name, run in runs.items():
         assert not run.failures, name
