@@ -56,6 +56,7 @@ def prepare(args, work: Path, device: str):
     """Dataset, 4-bit base and adapter, by the pipeline's own steps (reused when already there)."""
     from prefect.testing.utilities import prefect_test_harness
 
+    from tasks.caching import run_step
     from tasks.config import load_config
     from tasks.dataset import prepare_dataset
     from tasks.environment import Plan, _cpu_bf16, auto_eval_dtype
@@ -84,9 +85,10 @@ def prepare(args, work: Path, device: str):
                 eval_dtype=auto_eval_dtype(cfg, gpu, _cpu_bf16(), compute))  # as resolve_plan does
     gpus = selection_for("0" if gpu else "cpu", read_inventory())
     with prefect_test_harness(server_startup_timeout=120):  # the steps hold device slots through Prefect
-        data = prepare_dataset.fn(cfg, materialize_tokenizer(cfg.model.source, cfg.cache_root))
-        base = quantize_base_model.fn(cfg, plan, gpus, work)
-        trained = train_adapter.fn(cfg, data, base, plan, gpus, work)
+        # run_step unwraps what a step returns when it reuses its stored output (a `Cached` state)
+        data, _ = run_step(prepare_dataset, cfg, materialize_tokenizer(cfg.model.source, cfg.cache_root))
+        base, _ = run_step(quantize_base_model, cfg, plan, gpus, work)
+        trained, _ = run_step(train_adapter, cfg, data, base, plan, gpus, work)
     print(f"adapter: loss {trained.first_loss:.4f} -> {trained.final_loss:.4f} in {trained.steps} steps", flush=True)
     return cfg, plan, data, base, trained.adapter_path
 
