@@ -70,6 +70,32 @@ def test_engines_give_identical_greedy_tokens(model_and_prompts, adapter):
         assert 0 < run.first_result_seconds <= run.seconds, name
 
 
+def test_each_prefill_chunk_is_read_at_its_own_width(model_and_prompts, monkeypatch):
+    """One batch of all prompts (left-padded to the longest), prefilled four rows at a time: each chunk's forward
+    pass spans only its own prompts' longest, not the batch's, and the answers stay the engine-equivalent ones."""
+    from tasks import generation
+
+    model, tokenizer, prompts = model_and_prompts
+    model.base_model.enable_adapter_layers()
+    stops, pad = stop_token_ids(model, tokenizer), tokenizer.pad_token_id
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    longest = max(map(len, ids))
+    monkeypatch.setitem(generation.PREFILL_TOKENS, False, 4 * longest)  # rows per chunk: 4
+    widths = []
+    hook = model.get_base_model().register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape), with_kwargs=True)
+    try:
+        run = generate_static(model, ids, 6, stops, pad, batch_tokens=10**6)
+    finally:
+        hook.remove()
+    assert run.details["batches"] == 1
+    chunks = [shape for shape in widths if shape[1] > 1][: -(-len(ids) // 4)]  # the prefill's passes, in order
+    by_length = sorted(map(len, ids), reverse=True)
+    assert [w for _, w in chunks] == [by_length[i] for i in range(0, len(ids), 4)]  # each chunk: its own longest
+    assert chunks[-1][1] < longest
+    assert run.tokens == generate_static(model, ids, 6, stops, pad, batch_tokens=160).tokens
+
+
 def test_the_adapter_changes_the_answers(model_and_prompts):
     model, tokenizer, prompts = model_and_prompts
     stops, pad = stop_token_ids(model, tokenizer), tokenizer.pad_token_id
@@ -160,3 +186,27 @@ def test_grouped_attention_equals_sdpa(query_len, mask_kind):
     want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim ** -0.5)
     assert got.shape == want.shape == (b, query_len, heads, dim)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_adapter_runs_in_the_evaluation_copys_dtype_not_pefts_fp32(shared_cache, tmp_path):
+    """PEFT loads LoRA weights in fp32; on a bf16 copy every adapted layer would then run its adapter in fp32 (on an
+    H200 that made the adapter's prefill 1.8x the base's). The fast engines get the adapter in the copy's dtype, the
+    reference engine keeps PEFT's fp32 (bf16 compute here on the CPU, as on a GPU)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tasks.config import load_config
+    from tasks.environment import Plan
+    from tasks.eval_worker import _load_with_adapter
+
+    cache = shared_cache / "generation-bf16"
+    base = tiny_quantized(cache, "bfloat16")
+    plain = AutoModelForCausalLM.from_pretrained(dequantized_copy(base, cache), dtype=torch.bfloat16)
+    get_peft_model(plain, LoraConfig(r=4, target_modules="all-linear")).save_pretrained(tmp_path / "adapter")
+    cfg = load_config(None, [f"run.cache_dir={cache}"])
+    plan = Plan(device="cpu", gpu_ids=[], nproc=1, precision="bf16", compute_dtype="bfloat16", train_attn="sdpa",
+                eval_attn="sdpa", eval_dtype="bfloat16")
+    for engine, expected in (("static", torch.bfloat16), ("generate", torch.float32)):
+        model = _load_with_adapter(cfg, base, tmp_path / "adapter", plan, torch.device("cpu"), engine)
+        assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {expected}, engine
