@@ -36,29 +36,28 @@ def run_gpu_tests(work: Path, paths: list[str], append: bool = False) -> dict:
     short by a time limit still leaves it) and JUnit XML kept in `work` with a summary JSON, so a later call
     (`--tests reuse`) can put them in its report. With `append` the results join those an earlier call left there
     (the tier split over calls: `--test-paths`)."""
+    from tasks.store import write_atomic
+
+    summary = work / "gpu-tests.json"
+    parts = json.loads(summary.read_text()).get("parts", []) if append and summary.is_file() else []
+    xml, log = work / f"gpu-tests-{len(parts)}.xml", work / f"gpu-tests-{len(parts)}.log"
     started = time.perf_counter()
-    part = len(json.loads((work / "gpu-tests.json").read_text()).get("parts", [])) if append and \
-        (work / "gpu-tests.json").is_file() else 0
-    xml, log = work / f"gpu-tests-{part}.xml", work / f"gpu-tests-{part}.log"
     with log.open("w") as sink:
         code = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
                                "-s", "--durations=15", f"--junitxml={xml}", *paths],
                               cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True).returncode
     output = log.read_text()
-    lines = [line for line in output.splitlines() if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
-    result = {"exit_code": code, "seconds": round(time.perf_counter() - started, 1), "results": lines,
-              "summary": output.strip().splitlines()[-1] if output.strip() else "", "paths": paths}
-    if part:
-        earlier = json.loads((work / "gpu-tests.json").read_text())
-        result = {"exit_code": max(earlier["exit_code"], code), "seconds": earlier["seconds"] + result["seconds"],
-                  "results": earlier["results"] + lines, "summary": "; ".join(
-                      p["summary"] for p in [*earlier["parts"], result]), "parts": [*earlier["parts"], result]}
-    else:
-        result = {**result, "parts": [dict(result)]}
-    with (work / "gpu-tests.log").open("w") as whole:  # every part's log, in order
-        whole.write("\n".join((work / f"gpu-tests-{i}.log").read_text() for i in range(part + 1)))
+    parts.append({"exit_code": code, "seconds": round(time.perf_counter() - started, 1), "paths": paths,
+                  "results": [line for line in output.splitlines()
+                              if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))],
+                  "summary": output.strip().splitlines()[-1] if output.strip() else ""})
+    result = {"exit_code": max(p["exit_code"] for p in parts), "seconds": round(sum(p["seconds"] for p in parts), 1),
+              "results": [line for p in parts for line in p["results"]],
+              "summary": "; ".join(p["summary"] for p in parts), "parts": parts}
+    write_atomic(work / "gpu-tests.log", "\n".join(  # every part's log, in order
+        (work / f"gpu-tests-{i}.log").read_text() for i in range(len(parts))))
     shutil.copyfile(xml, work / "gpu-tests.xml")
-    (work / "gpu-tests.json").write_text(json.dumps(result, indent=2))
+    write_atomic(summary, json.dumps(result, indent=2))
     return result
 
 
@@ -69,7 +68,10 @@ def gpu_tests(mode: str, work: Path, out: Path, paths: list[str] | None = None, 
         return {"summary": "skipped", "results": [], "seconds": 0}
     if mode == "reuse" and not (work / "gpu-tests.json").is_file():
         raise SystemExit(f"--tests reuse: no earlier GPU test results in {work} (run with --tests only first)")
-    result = run_gpu_tests(work, paths or ["tests/"], append) if mode in ("run", "only") else json.loads((work / "gpu-tests.json").read_text())
+    if mode in ("run", "only"):
+        result = run_gpu_tests(work, paths or ["tests/"], append)
+    else:
+        result = json.loads((work / "gpu-tests.json").read_text())
     for name in ("gpu-tests.log", *(p.name for p in sorted(work.glob("gpu-tests*.xml")))):
         if (work / name).is_file():
             shutil.copyfile(work / name, out / name)

@@ -25,6 +25,16 @@ os.environ.setdefault("FINETUNE_FLOWS_TEST_CACHE", str(_SESSION_TMP / "cache"))
 REPO = Path(__file__).resolve().parent.parent
 
 
+def load_benchmark(name: str):
+    """benchmarks/<name>.py (a script, not a package module) loaded as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """One real (temporary, SQLite) Prefect server for every test that runs flows."""

@@ -12,6 +12,7 @@ from tasks.config import load_config
 from tasks.environment import resolve_plan
 from tasks.errors import EnvironmentMismatch
 from tasks.gpus import selection_for
+from conftest import load_benchmark
 from test_gpus import gpu, report
 
 H100 = gpu(0, 80000, name="NVIDIA H100", cc=(9, 0))
@@ -110,13 +111,7 @@ def test_probe_results_are_cached_per_gpu_model_and_versions(tmp_path):
 
 
 def test_gpu_proof_compares_two_different_backends_or_says_it_made_no_comparison():
-    import importlib.util
-
-    from conftest import REPO
-
-    spec = importlib.util.spec_from_file_location("gpu_proof", REPO / "benchmarks" / "gpu_proof.py")
-    proof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(proof)
+    proof = load_benchmark("gpu_proof")
     only_sdpa = report([H100])  # flash-attn not installed
     with_fa4 = report([H100], fa4=True)
     assert proof.other_backend("flash_attention_4", with_fa4)[0] == "sdpa"
@@ -142,22 +137,8 @@ def test_eval_dtype_auto_is_bf16_only_on_bf16_cpus_for_wide_models():
                      selection_for("cpu", []))
 
 
-def gpu_proof_module():
-    """benchmarks/gpu_proof.py (a script, not a package module) loaded as a module."""
-    import importlib.util
-
-    from conftest import REPO
-
-    spec = importlib.util.spec_from_file_location("gpu_proof", REPO / "benchmarks" / "gpu_proof.py")
-    proof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(proof)
-    return proof
-
-
 def test_gpu_proof_reuses_the_gpu_tier_an_earlier_call_left_and_refuses_when_there_is_none(tmp_path):
-    import json
-
-    proof = gpu_proof_module()
+    proof = load_benchmark("gpu_proof")
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     out.mkdir()
@@ -174,9 +155,7 @@ def test_gpu_proof_reuses_the_gpu_tier_an_earlier_call_left_and_refuses_when_the
 def test_gpu_proof_splits_the_gpu_tier_over_calls_and_keeps_every_part(tmp_path):
     """A lent machine's call has a time limit shorter than the whole tier: `--test-paths` runs a part, and
     `--append-tests` adds the next part's results (here the real pytest run of two files, skipped without a GPU)."""
-    import json
-
-    proof = gpu_proof_module()
+    proof = load_benchmark("gpu_proof")
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     out.mkdir()

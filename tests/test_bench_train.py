@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, load_benchmark
 
 pytestmark = pytest.mark.slow
 
@@ -36,12 +36,9 @@ def test_training_benchmark_smoke_run_writes_the_report(tmp_path):
 def test_two_gpu_variants_get_their_own_scaling_beside_the_plain_one(tmp_path):
     """ours-2gpu-<shape> against ours-<shape> is `ddp_2gpu_scaling`; a `2gpu-<label>` variant is paired with the
     1-GPU variant of the same label under its own key, never overwriting the plain one."""
-    import importlib.util
     from types import SimpleNamespace
 
-    spec = importlib.util.spec_from_file_location("train_speed", REPO / "benchmarks" / "train_speed.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("train_speed")
     (tmp_path / "runs").mkdir()
     for name, speed in [("ours-qwen3-0.6b", 100.0), ("ours-2gpu-qwen3-0.6b", 190.0),
                         ("ours-noliger-qwen3-0.6b", 80.0), ("ours-2gpu-noliger-qwen3-0.6b", 120.0)]:
