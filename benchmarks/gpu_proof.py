@@ -192,6 +192,9 @@ def main() -> int:
     parser.add_argument("--skip-tests", action="store_true", help="the same as --tests skip")
     parser.add_argument("--runs", default="", help="comma-separated flow runs to do (default: all that apply)")
     args = parser.parse_args()
+    missing = [p for p in args.test_paths.split(",") if not (REPO / p.split("::")[0]).exists()]
+    if missing:
+        parser.error(f"--test-paths: no such test file in {REPO}: {', '.join(missing)}")
 
     from prefect.testing.utilities import prefect_test_harness  # noqa: F401 (fail early if prefect is missing)
 

@@ -169,3 +169,16 @@ def test_gpu_proof_splits_the_gpu_tier_over_calls_and_keeps_every_part(tmp_path)
     log = (out / "gpu-tests.log").read_text()  # written as the tests run; every part's, in order
     assert log.index("test_faults.py") < log.index("test_sharding.py")
     assert (out / "gpu-tests-0.xml").is_file() and (out / "gpu-tests-1.xml").is_file()
+
+
+def test_gpu_proof_names_a_test_path_that_does_not_exist_before_doing_anything(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_proof.py", "--tests", "only", "--work", str(tmp_path),
+                           "--test-paths", "tests/test_gpu.py,tests/test_nope.py"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--test-paths: no such test file" in proc.stderr and "test_nope.py" in proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing probed or written
