@@ -164,14 +164,19 @@ def markdown(report: dict) -> str:
                   f"- generation seconds (base + adapter): {c['generate_seconds']}", f"- agree: {c['agree']}"]
     for f in report.get("failures", []):
         lines += ["", f"## FAILED: {f['run']}", "", "```", f["error"], "```"]
+    if report.get("stopped"):
+        lines += ["", f"## STOPPED by {report['stopped']['signal']} during {report['stopped']['run']}", "",
+                  "The runs listed above finished; that one and any after it did not run to the end."]
     if report.get("demo_model_skipped"):
         lines += ["", f"Demo model not run: {report['demo_model_skipped']}"]
     return "\n".join(lines) + "\n"
 
 
 def save(report: dict, out: Path) -> None:
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    (out / "report.md").write_text(markdown(report))
+    from tasks.store import write_atomic
+
+    write_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
+    write_atomic(out / "report.md", markdown(report))
 
 
 def main() -> int:
@@ -196,6 +201,17 @@ def main() -> int:
     if missing:
         parser.error(f"--test-paths: no such test file in {REPO}: {', '.join(missing)}")
 
+    from tasks.cli import Stopped, stop_on_signals
+
+    try:  # SIGTERM (a time limit, a lent machine's end) unwinds like Ctrl-C: the running flow stops its workers
+        with stop_on_signals():
+            return prove(args)
+    except Stopped as stop:
+        print(f"gpu-proof stopped by {stop}; the report keeps what was measured before", file=sys.stderr, flush=True)
+        return 128 + stop.signum
+
+
+def prove(args: argparse.Namespace) -> int:
     from prefect.testing.utilities import prefect_test_harness  # noqa: F401 (fail early if prefect is missing)
 
     from tasks.environment import run_probe
@@ -249,10 +265,14 @@ def main() -> int:
                 report["attention_comparisons"].append({"model": model, "note": f"no comparison made: {why}"})
                 print(f"flow run {name} skipped: {why}", flush=True)
                 continue
-            overrides = [*overrides, f"hardware.attn_implementation={other}"]
+            overrides = [*overrides, f"eval.attn_implementation={other}"]  # same adapter: training is cached
         print(f"flow run {name}: {config or 'defaults'} {overrides}", flush=True)
         try:
             r = flow_run(name, config, overrides, cache, runs)
+        except KeyboardInterrupt as stop:  # a signal: this run is not finished, and no other starts
+            report["stopped"] = {"run": name, "signal": str(stop)}
+            save(report, out)
+            raise
         except Exception as exc:  # record and go on: the report says what failed
             report.setdefault("failures", []).append({"run": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
             print(f"flow run {name} FAILED: {exc}", flush=True)

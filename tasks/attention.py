@@ -59,14 +59,21 @@ def _flash_varlen(kernel: str):
     return flash_attn_varlen_func
 
 
+def _flash_attention(q, k, v, cu_seqlens, max_len: int, scale: float, kernel: str):
+    out = _flash_varlen(kernel)(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_len,
+                                max_seqlen_k=max_len, softmax_scale=scale, causal=True)
+    return out[0] if isinstance(out, tuple) else out
+
+
+_flash_call = _flash_attention  # use_packed_attention() puts it out of torch.compile's reach
+
+
 def varlen_attention(q, k, v, cu_seqlens, max_len: int, scale: float, kernel: str):
     """Causal attention within each packed row. q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
     import torch
 
     if kernel in ("fa4", "fa3", "fa2"):
-        out = _flash_varlen(kernel)(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_len,
-                                    max_seqlen_k=max_len, softmax_scale=scale, causal=True)
-        return out[0] if isinstance(out, tuple) else out
+        return _flash_call(q, k, v, cu_seqlens, max_len, scale, kernel)
     if kernel == "torch_varlen":
         fn = _torch_varlen()
         params = inspect.signature(fn).parameters
@@ -134,9 +141,14 @@ def use_packed_attention(model, kernel: str) -> None:
     """Register the packed attention function and switch the model (and its sub-configs) to it."""
     from transformers import AttentionInterface
 
-    global _kernel
+    import torch
+
+    global _kernel, _flash_call
     if kernel not in KERNELS:
         raise ValueError(f"unknown packed attention kernel {kernel!r}; known: {', '.join(KERNELS)}")
     _kernel = kernel
+    # compiled decoder layers call the flash kernels as one opaque step with their own autograd, instead of Dynamo
+    # tracing FA4's CuTe-DSL launcher (Python that JIT-compiles kernels) or flash-attn's wrappers at every new shape
+    _flash_call = torch.compiler.disable(_flash_attention, reason="flash-attn varlen kernels are called untraced")
     AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
     model.set_attn_implementation(PACKED_ATTENTION)

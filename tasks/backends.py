@@ -8,8 +8,9 @@
   and a training-like forward+backward, checked against sdpa on the same inputs. Results are cached per GPU
   model and software versions (`<cache>/attention-probes/`), so a host measures once.
 - `resolve_attention()` turns `hardware.attn_implementation` into one backend for training and one for
-  evaluation: `auto` is the fastest correct backend for each purpose (sdpa on the CPU, or when nothing else is
-  usable), an explicit name is checked against the selected GPUs.
+  evaluation (`eval.attn_implementation`, where set, decides evaluation's alone): `auto` is the fastest correct
+  backend for each purpose (sdpa on the CPU, or when nothing else is usable), an explicit name is checked against
+  the selected GPUs.
 """
 
 from __future__ import annotations
@@ -115,8 +116,9 @@ def choose(timings: list[BackendTiming], names: list[str], purpose: str) -> tupl
 
 
 def resolve_attention(want: str, attention: dict[str, str], gpus: list[GpuInfo], precision: str,
-                      hub_reachable: bool, timings: list[BackendTiming] | None) -> tuple[str, str, dict, list[str]]:
-    """(train backend, eval backend, why, problems) for `hardware.attn_implementation`."""
+                      hub_reachable: bool, timings: list[BackendTiming] | None,
+                      key: str = "hardware.attn_implementation") -> tuple[str, str, dict, list[str]]:
+    """(train backend, eval backend, why, problems) for the attention setting `key` (problems name it)."""
     if want == "auto":
         names = candidates(attention, gpus, precision) if gpus else ["sdpa"]
         if names == ["sdpa"]:
@@ -131,13 +133,13 @@ def resolve_attention(want: str, attention: dict[str, str], gpus: list[GpuInfo],
     problems = []
     reason = usable(want, attention, gpus, precision)
     if reason:
-        problems.append(f"hardware.attn_implementation={want} cannot run here: {reason}")
+        problems.append(f"{key}={want} cannot run here: {reason}")
     if want not in ATTENTION_BACKENDS and want not in REQUIREMENTS and not hub_reachable and reason is None:
         from tasks.kernels import local_kernel_repo
 
         if local_kernel_repo(want) is None:
-            problems.append(f"hardware.attn_implementation={want} needs the Hub kernel repo, but the Hub is "
-                            "unreachable and LOCAL_KERNELS has no copy of it")
+            problems.append(f"{key}={want} needs the Hub kernel repo, but the Hub is unreachable and LOCAL_KERNELS "
+                            "has no copy of it")
     return want, want, {"train": "configured", "eval": "configured"}, problems
 
 

@@ -263,9 +263,14 @@ class HardwareConfig(Section):
     @field_validator("attn_implementation")
     @classmethod
     def _attn(cls, v: str) -> str:
-        if v == "auto" or v in ATTENTION_BACKENDS or re.match(r"^[\w.-]+/[\w.-]+(@[\w.-]+)?$", v):
-            return v
-        raise ValueError(f"unknown backend `{v}`: use auto, {', '.join(ATTENTION_BACKENDS)} or a Hub kernel id")
+        return attention_setting(v)
+
+
+def attention_setting(v: str) -> str:
+    """`auto`, a backend transformers knows, or a Hub kernel repo id."""
+    if v == "auto" or v in ATTENTION_BACKENDS or re.match(r"^[\w.-]+/[\w.-]+(@[\w.-]+)?$", v):
+        return v
+    raise ValueError(f"unknown backend `{v}`: use auto, {', '.join(ATTENTION_BACKENDS)} or a Hub kernel id")
 
 
 class EvalConfig(Section):
@@ -288,12 +293,22 @@ class EvalConfig(Section):
         "(AVX512-BF16 or AMX) for models at least 256 wide, where it is bfloat16 (2.3x faster there; "
         "bitsandbytes' 4-bit CPU kernel computes in bf16 too)."
     )
+    attn_implementation: str | None = Field(
+        None, description="Attention backend for evaluation alone, in the same terms as "
+        "`hardware.attn_implementation` (`auto`, a backend name or a Hub kernel repo); None: as "
+        "`hardware.attn_implementation`. Changing it re-runs the evaluation only, never the training."
+    )
     batch_size: int = Field(16, ge=1, description="Examples per forward/generation batch of the `generate` engine.")
     metric: Literal["exact_match", "contains"] = Field(
         "exact_match", description="Headline generation metric; both are always reported. `exact_match`: the output "
         "equals the reference once leading/trailing whitespace is stripped, case-sensitive; `contains`: the output "
         "includes the stripped reference, case-sensitive."
     )
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attn(cls, v: str | None) -> str | None:
+        return v if v is None else attention_setting(v)
 
 
 class TrackingConfig(Section):
@@ -371,6 +386,13 @@ class FinetuneConfig(Section):
     @property
     def cache_root(self) -> Path:
         return Path(os.environ.get("FINETUNE_FLOWS_CACHE") or self.run.cache_dir).expanduser().resolve()
+
+    def attention_settings(self) -> dict[str, str]:
+        """Each attention key of the run with its value: the hardware's, and evaluation's own where it is set."""
+        keys = {"hardware.attn_implementation": self.hardware.attn_implementation}
+        if self.eval.attn_implementation is not None:
+            keys["eval.attn_implementation"] = self.eval.attn_implementation
+        return keys
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

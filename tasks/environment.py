@@ -164,6 +164,11 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
     train_attn, eval_attn, why, attention_problems = resolve_attention(
         cfg.hardware.attn_implementation, env.attention, gpus, p, env.hub_reachable, timings)
     problems += attention_problems
+    if cfg.eval.attn_implementation not in (None, cfg.hardware.attn_implementation):  # evaluation's own choice
+        _, eval_attn, eval_why, attention_problems = resolve_attention(
+            cfg.eval.attn_implementation, env.attention, gpus, p, env.hub_reachable, timings,
+            key="eval.attn_implementation")
+        why, problems = {**why, "eval": eval_why["eval"]}, problems + attention_problems
     if cfg.eval.engine == "continuous" and not continuous_supports(eval_attn):
         problems.append(f"eval.engine=continuous cannot use attention backend {eval_attn}: continuous batching "
                         "supports sdpa, eager and flash attention; use eval.engine=static or auto")
@@ -297,7 +302,7 @@ def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentR
     # the one reading of the GPUs: select_gpus computes the workers' selection from this same inventory
     selection = selection_for(cfg.hardware.gpus, env.gpus)  # names a missing or unusable GPU
     plan = resolve_plan(cfg, env, selection)
-    if cfg.hardware.attn_implementation == "auto":  # measure the usable backends on these GPUs (cached)
+    if "auto" in cfg.attention_settings().values():  # measure the usable backends on these GPUs (cached)
         try:
             timings = measured_timings(cfg, env.attention, env.versions, selection, plan.precision,
                                        plan.compute_dtype, run_dir / "work")

@@ -208,7 +208,9 @@ class Faults:
     - `oom_at_step: N` raises torch.OutOfMemoryError before step N while the job's micro_batch_split is below
       `oom_below_split` (default: always), the way CUDA raises it from a forward pass;
     - `sigkill_at_step: N` SIGKILLs rank `sigkill_rank` (default 0) before step N, once: the file `once` is
-      created first, so the resumed attempt runs on.
+      created first, so the resumed attempt runs on;
+    - `step_seconds: S` sleeps S seconds before every step, so a run on a fast GPU is still training when a test's
+      signal arrives.
     """
 
     def __init__(self, spec: dict[str, Any], split: int, rank: int):
@@ -228,6 +230,10 @@ class Faults:
                                          f"{self.split})")
         if s.get("sigkill_at_step") == step and self.rank == s.get("sigkill_rank", 0) and self._first_time():
             os.kill(os.getpid(), signal.SIGKILL)
+        if s.get("step_seconds"):
+            import time
+
+            time.sleep(float(s["step_seconds"]))
 
     def _first_time(self) -> bool:
         try:

@@ -4,7 +4,7 @@ A deployment run executes with the worker host's files and credentials, on param
 the Prefect API can choose. The policy file (YAML, path in `FINETUNE_FLOWS_POLICY`; `make worker` writes one with
 the defaults below) says what such a run may do:
 
-    remote_code: false            # model.trust_remote_code and Hub kernel ids in hardware.attn_implementation
+    remote_code: false            # model.trust_remote_code and Hub kernel ids as attention backends
     model_sources: [builtin:*, generated:*]   # patterns for built-in/generated/Hub ids; directories for local paths
     hub_datasets: false           # data.source=hub:...
     data_roots: [<checkout>/data] # local data files (data.source, data.eval_source) must lie inside one of these
@@ -153,10 +153,10 @@ def config_problems(policy: Policy, cfg: FinetuneConfig) -> list[str]:
     if cfg.model.trust_remote_code and not policy.remote_code:
         problems.append("model.trust_remote_code=true runs code from the model repository; the policy does not allow "
                         "remote code (remote_code: false)")
-    attn = cfg.hardware.attn_implementation
-    if attn != "auto" and attn not in ATTENTION_BACKENDS and not policy.remote_code:
-        problems.append(f"hardware.attn_implementation={attn} loads a Hub kernel (remote code); the policy does not "
-                        "allow remote code (remote_code: false)")
+    for key, attn in cfg.attention_settings().items():
+        if attn != "auto" and attn not in ATTENTION_BACKENDS and not policy.remote_code:
+            problems.append(f"{key}={attn} loads a Hub kernel (remote code); the policy does not allow remote code "
+                            "(remote_code: false)")
     h = cfg.hardware  # a foreign cluster or rendezvous would receive this host's data and weights
     if h.launcher == "ray" and not any(fnmatch.fnmatchcase(h.ray_address, p) for p in policy.ray_addresses):
         problems.append(f"hardware.ray_address={h.ray_address} is not among the policy's ray_addresses "

@@ -135,14 +135,13 @@ def machine_problems(cfg: FinetuneConfig) -> list[str]:
         ids: list[int] | None = choose_gpu_ids(cfg.hardware.gpus, read_inventory())
     except ConfigError as exc:
         problems, ids = exc.problems, None
-    attn = cfg.hardware.attn_implementation
-    if attn in FLASH_PACKAGES:
-        if ids == []:
-            problems.append(f"hardware.attn_implementation={attn} needs a CUDA GPU, but this run uses the CPU "
-                            f"(hardware.gpus={cfg.hardware.gpus})")
-        if not _installed(FLASH_PACKAGES[attn]):
-            problems.append(f"hardware.attn_implementation={attn} needs the {FLASH_PACKAGES[attn]} package, which "
-                            "is not installed")
+    for key, attn in cfg.attention_settings().items():
+        if attn in FLASH_PACKAGES:
+            if ids == []:
+                problems.append(f"{key}={attn} needs a CUDA GPU, but this run uses the CPU "
+                                f"(hardware.gpus={cfg.hardware.gpus})")
+            if not _installed(FLASH_PACKAGES[attn]):
+                problems.append(f"{key}={attn} needs the {FLASH_PACKAGES[attn]} package, which is not installed")
     return problems
 
 

@@ -10,7 +10,7 @@ import pytest
 from tasks.backends import BackendTiming, candidates, measured_timings, probe_key, resolve_attention, usable
 from tasks.config import load_config
 from tasks.environment import resolve_plan
-from tasks.errors import EnvironmentMismatch
+from tasks.errors import ConfigError, EnvironmentMismatch
 from tasks.gpus import selection_for
 from conftest import load_benchmark
 from test_gpus import gpu, report
@@ -92,6 +92,24 @@ def test_backends_and_engines_the_machine_cannot_run_are_refused_before_anything
         cfg = load_config(None, ["hardware.gpus=0", "hardware.attn_implementation=acme/flash-attn"])
         env = report([H100]).model_copy(update={"attention": {**INSTALLED, "hub_kernels": "available"}})
         resolve_plan(cfg, env, selection_for("0", [H100]))
+
+
+def test_eval_attn_implementation_decides_the_evaluation_backend_alone():
+    timings = [timing("sdpa", 2.0, 6.0), timing("flash_attention_4", 1.0, 4.0)]
+    env = report([H100]).model_copy(update={"attention": INSTALLED})
+    cfg = load_config(None, ["hardware.gpus=0", "eval.attn_implementation=sdpa"])
+    plan = resolve_plan(cfg, env, selection_for("0", [H100]), timings)
+    assert (plan.train_attn, plan.eval_attn) == ("flash_attention_4", "sdpa")
+    assert plan.attention_choice["eval"] == "configured" and plan.attention_choice["train"].startswith("fastest")
+    cfg = load_config(None, ["hardware.gpus=0", "hardware.attn_implementation=sdpa", "eval.attn_implementation=auto"])
+    assert resolve_plan(cfg, env, selection_for("0", [H100]), timings).eval_attn == "flash_attention_4"
+    with pytest.raises(EnvironmentMismatch, match="eval.attn_implementation=flex_attention cannot run here"):
+        cpu = report([]).model_copy(update={"attention": {**report([]).attention,
+                                                          "flex_attention": "needs a CUDA GPU"}})
+        resolve_plan(load_config(None, ["hardware.gpus=cpu", "eval.attn_implementation=flex_attention"]), cpu,
+                     selection_for("cpu", []))
+    with pytest.raises(ConfigError, match="eval.attn_implementation"):
+        load_config(None, ["eval.attn_implementation=flash"])
 
 
 def test_probe_results_are_cached_per_gpu_model_and_versions(tmp_path):

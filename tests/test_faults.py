@@ -125,7 +125,7 @@ def test_absurd_micro_batch_on_a_gpu_runs_out_of_memory_adapts_and_finishes(pref
     """~130k tokens in one packed micro-batch of a Qwen3-0.6B-shaped model, without checkpointing or Liger: its
     logits alone (150k vocabulary) need ~190 GB, so CUDA runs out of memory until the micro-batch is cut."""
     result = finetune(None, [
-        "model.source=generated:qwen3-0.6b", "hardware.gpus=auto:1", "data.builtin_examples=4000",
+        "model.source=generated:qwen3-0.6b", "hardware.gpus=auto:1", "data.builtin_examples=3400",
         "data.max_length=128", "train.per_device_batch_size=1700", "train.micro_batch_tokens=131072",
         "train.gradient_checkpointing=false", "train.liger_kernel=false", "train.max_steps=2", "train.save_steps=1",
         "train.logging_steps=1", "train.retries=0", "eval.max_samples=4", "eval.batch_size=4",

@@ -43,7 +43,8 @@ def device_slots(prefect_server):
             client.delete_global_concurrency_limit_by_name(name)
 
 
-def stop_a_cli_run(cache: Path, tmp_path: Path, sig: int, slots: list[str], seed: int, **extra) -> tuple[list, int]:
+def stop_a_cli_run(cache: Path, tmp_path: Path, sig: int, slots: list[str], seed: int, env: dict | None = None,
+                   **extra) -> tuple[list, int]:
     """Start a CLI run against the test server, signal the flow process once training runs, check that every
     process of the run is gone and every device slot free when the command exits, and that the ranks saved one
     checkpoint on the way out. Returns the run's overrides and that checkpoint's step."""
@@ -51,7 +52,7 @@ def stop_a_cli_run(cache: Path, tmp_path: Path, sig: int, slots: list[str], seed
 
     args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": 100,
                                                   "train.seed": seed, "hardware.stop_grace_seconds": 30, **extra})
-    proc = start_cli(args, cli_env(PREFECT_API_URL=PREFECT_API_URL.value()), tmp_path / "cli.log")
+    proc = start_cli(args, cli_env(PREFECT_API_URL=PREFECT_API_URL.value(), **(env or {})), tmp_path / "cli.log")
     try:
         out, rank = training_in_progress(cache, seed, min_step=3)
         members = tree(proc.pid)  # the flow process, torchrun, the ranks
@@ -95,8 +96,14 @@ def test_signal_to_the_flow_process_stops_every_worker_frees_the_slot_and_the_ne
 @pytest.mark.gpu
 @pytest.mark.skipif(not read_inventory(), reason="needs an NVIDIA GPU (NVML finds none)")
 def test_sigterm_stops_every_gpu_rank_at_the_same_step_and_the_next_run_resumes(cache, tmp_path, device_slots):
-    """On every GPU of the host (NCCL when there are two or more): the stop flag goes through NCCL's all-reduce."""
-    args, step = stop_a_cli_run(cache, tmp_path, signal.SIGTERM, device_slots, seed=801, **{"hardware.gpus": "auto"})
+    """On every GPU of the host (NCCL when there are two or more): the stop flag goes through NCCL's all-reduce.
+    Steps slowed to 0.2 s, so the tiny model is still training when the signal comes, and not compiled: the signal
+    must not land in a minutes-long compilation (the stop path is the subject; test_gpu.py trains compiled)."""
+    from tasks.lifecycle import FAULTS_ENV
+
+    args, step = stop_a_cli_run(cache, tmp_path, signal.SIGTERM, device_slots, seed=801,
+                                env={FAULTS_ENV: json.dumps({"step_seconds": 0.2})},
+                                **{"hardware.gpus": "auto", "train.compile": False})
     result = finetune(None, args)
     assert result.train.resumed_from_step == step and result.train.rank_steps == [60] * len(read_inventory())
 
@@ -132,3 +139,42 @@ def test_cli_runs_started_in_the_same_second_on_a_fresh_prefect_home_all_finish(
     run_dirs = {json.loads(line)["run_dir"] for log in logs for line in log.splitlines()
                 if line.startswith('{"run_dir"')}
     assert len(run_dirs) == n and all((Path(d) / "summary.json").is_file() for d in run_dirs)
+
+
+# ---------------------------------------------------------------- the GPU proof stopped by its time limit
+
+
+def test_a_signal_to_gpu_proof_stops_its_flow_run_and_keeps_the_report(prefect_server, tmp_path):
+    """A lent GPU machine ends a call with SIGTERM: the proof stops the running flow's workers (nothing outlives
+    it), says which run it stopped, and keeps the report of what finished (here on the CPU, as a dry run)."""
+    import subprocess
+    import sys
+
+    from fault_support import ROOT
+    from prefect.settings import PREFECT_API_URL
+
+    log = tmp_path / "proof.log"
+    argv = [sys.executable, "benchmarks/gpu_proof.py", "--tests", "skip", "--model", "generated:tiny-llama",
+            "--demo-model", "", "--runs", "1gpu-auto-attn", "--work", str(tmp_path / "work"), "--out",
+            str(tmp_path / "out")]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=cli_env(PREFECT_API_URL=PREFECT_API_URL.value()),
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while "starting train worker" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None and "starting train worker" in log.read_text(), log.read_text()[-3000:]
+        time.sleep(2)
+        members = tree(proc.pid)  # the proof and its training worker (torchrun and a rank where there are ranks)
+        assert len(members) >= 2, members
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not [m for m in members if m.is_running()], "a process of the proof outlived it"
+    report = json.loads(next((tmp_path / "out").glob("gpu-proof-*/report.json")).read_text())
+    assert report["stopped"] == {"run": "1gpu-auto-attn", "signal": "SIGTERM"} and report["flow_runs"] == []
+    assert "STOPPED by SIGTERM during 1gpu-auto-attn" in next((tmp_path / "out").glob("gpu-proof-*/report.md")
+                                                               ).read_text()
+    assert "gpu-proof stopped by SIGTERM" in log.read_text()

@@ -82,9 +82,15 @@ def test_an_interrupted_wait_stops_the_whole_tree_sigkill_after_the_grace_period
             failed.append(exc)
         signal.pthread_kill(main, signal.SIGINT)
 
-    threading.Thread(target=interrupt, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        run_worker("evaluate", python_module("tests.fault_worker", job), {}, tmp_path, stop_grace=2)
+    # Python leaves SIGINT ignored when it starts ignored (a suite started in the background by a shell without job
+    # control: `make test &` in a script), and then Ctrl-C never reaches run_worker; this test needs Python's default
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            run_worker("evaluate", python_module("tests.fault_worker", job), {}, tmp_path, stop_grace=2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not failed, failed
     assert not seen["worker"].is_running() and not seen["child"].is_running()
     assert "did not stop within 2 s: SIGKILL to pids" in caplog.text

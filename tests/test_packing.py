@@ -98,6 +98,44 @@ def test_varlen_rows_kernel_matches_dense_causal_attention_per_row():
         torch.testing.assert_close(out[a:b], ref)
 
 
+def test_compiled_layers_call_the_flash_kernel_untraced(monkeypatch):
+    """Decoder layers under torch.compile call the flash varlen function as itself, never traced by Dynamo (FA4's
+    launcher is Python that JIT-compiles kernels). flash-attn cannot run on this CPU: a stand-in module records how
+    it is called and computes with the rows kernel."""
+    import sys
+    import types
+
+    from tasks import attention
+
+    calls = []
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                               causal):
+        calls.append((torch.compiler.is_compiling(), type(max_seqlen_q), causal))
+        return varlen_attention(q, k, v, cu_seqlens_q, max_seqlen_q, softmax_scale, "rows"), None
+
+    model, rows = tiny_qwen3(2), random_rows([5, 17, 9])  # transformers imported before the stand-in exists
+    stand_in = types.ModuleType("flash_attn")
+    stand_in.flash_attn_varlen_func = flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", stand_in)
+    attention._flash_varlen.cache_clear()
+    try:
+        with torch.no_grad():
+            use_packed_attention(model, "rows")
+            expected = model(**PackedCollator(0)([rows])).logits
+            use_packed_attention(model, "fa2")
+            torch._dynamo.reset()
+            for layer in model.model.layers:
+                layer.compile(backend="eager", dynamic=True)
+            got = model(**PackedCollator(0)([rows])).logits
+    finally:
+        attention._flash_varlen.cache_clear()
+        use_packed_attention(model, "rows")
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, expected)
+    assert calls == [(False, int, True)] * 2  # once per layer, outside the traced graph, with a Python-int length
+
+
 def test_kernel_choice_follows_the_backend_and_falls_back_on_the_cpu():
     assert packed_kernel_for("flash_attention_4", on_gpu=False) == "rows"
     assert packed_kernel_for("flash_attention_4", on_gpu=True) == "fa4"

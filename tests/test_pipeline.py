@@ -77,6 +77,18 @@ def test_changing_a_training_hyperparameter_retrains_only(first_run, shared_cach
     assert changed.cached_steps == ["prepare-dataset", "quantize-base-model"]
 
 
+def test_another_evaluation_backend_reevaluates_the_same_adapter_without_retraining(first_run, shared_cache):
+    result, runs, _ = first_run
+    eager = finetune(None, tiny_overrides(shared_cache / "pipeline", runs, **{"eval.attn_implementation": "eager"}))
+    assert eager.cached_steps == ["prepare-dataset", "quantize-base-model", "train-adapter"]
+    assert eager.train.output_dir == result.train.output_dir  # the very adapter the sdpa evaluation scored
+    assert (eager.eval.attn_implementation, result.eval.attn_implementation) == ("eager", "sdpa")
+    assert eager.eval.adapter.loss == pytest.approx(result.eval.adapter.loss, rel=1e-4)
+    # written as the backend it resolves to, the evaluation is the cached sdpa one
+    same = finetune(None, tiny_overrides(shared_cache / "pipeline", runs, **{"eval.attn_implementation": "sdpa"}))
+    assert same.cached_steps[-1] == "evaluate-adapter" and same.eval.path == result.eval.path
+
+
 def test_deleted_cache_outputs_are_rebuilt_not_trusted(first_run, shared_cache):
     import shutil
 

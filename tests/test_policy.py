@@ -65,6 +65,8 @@ def test_remote_code_is_refused_naming_the_key(host):
         host, **{"model.trust_remote_code": "true"})
     assert "hardware.attn_implementation=kernels-community/flash-attn loads a Hub kernel" in refused(
         host, **{"hardware.attn_implementation": "kernels-community/flash-attn"})
+    assert "eval.attn_implementation=kernels-community/flash-attn loads a Hub kernel" in refused(
+        host, **{"eval.attn_implementation": "kernels-community/flash-attn"})
 
 
 @pytest.mark.parametrize("key", ["run.output_dir", "run.cache_dir"])
