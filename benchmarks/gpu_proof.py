@@ -219,7 +219,7 @@ def prove(args: argparse.Namespace) -> int:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    env = run_probe(work)
+    env = run_probe(work, {}, work / "cache")  # the flow runs below reuse it (their run.cache_dir)
     n = len(env.gpus)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) / f"gpu-proof-{n}xGPU-{stamp}"

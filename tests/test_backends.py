@@ -12,7 +12,6 @@ from tasks.config import load_config
 from tasks.environment import resolve_plan
 from tasks.errors import ConfigError, EnvironmentMismatch
 from tasks.gpus import selection_for
-from conftest import load_benchmark
 from test_gpus import gpu, report
 
 H100 = gpu(0, 80000, name="NVIDIA H100", cc=(9, 0))
@@ -128,16 +127,6 @@ def test_probe_results_are_cached_per_gpu_model_and_versions(tmp_path):
                             tmp_path / "work") is None
 
 
-def test_gpu_proof_compares_two_different_backends_or_says_it_made_no_comparison():
-    proof = load_benchmark("gpu_proof")
-    only_sdpa = report([H100])  # flash-attn not installed
-    with_fa4 = report([H100], fa4=True)
-    assert proof.other_backend("flash_attention_4", with_fa4)[0] == "sdpa"
-    assert proof.other_backend("sdpa", with_fa4)[0] == "flash_attention_4"
-    other, why = proof.other_backend("sdpa", only_sdpa)
-    assert other is None and "no other attention backend is installed and usable" in why
-
-
 def test_eval_dtype_auto_is_bf16_only_on_bf16_cpus_for_wide_models():
     from tasks.environment import auto_eval_dtype
 
@@ -153,50 +142,3 @@ def test_eval_dtype_auto_is_bf16_only_on_bf16_cpus_for_wide_models():
     with pytest.raises(EnvironmentMismatch, match="eval.dtype=float16 needs a GPU"):
         resolve_plan(load_config(None, ["hardware.gpus=cpu", "eval.dtype=float16"]), report([]),
                      selection_for("cpu", []))
-
-
-def test_gpu_proof_reuses_the_gpu_tier_an_earlier_call_left_and_refuses_when_there_is_none(tmp_path):
-    proof = load_benchmark("gpu_proof")
-    work, out = tmp_path / "work", tmp_path / "out"
-    work.mkdir()
-    out.mkdir()
-    with pytest.raises(SystemExit, match="no earlier GPU test results"):
-        proof.gpu_tests("reuse", work, out)
-    assert proof.gpu_tests("skip", work, out)["summary"] == "skipped"
-    earlier = {"exit_code": 0, "seconds": 1.0, "results": ["PASSED tests/test_gpu.py::x"], "summary": "1 passed"}
-    (work / "gpu-tests.json").write_text(json.dumps(earlier))
-    (work / "gpu-tests.log").write_text("the log")
-    assert proof.gpu_tests("reuse", work, out) == earlier
-    assert (out / "gpu-tests.log").read_text() == "the log"  # the report directory gets the earlier call's log
-
-
-def test_gpu_proof_splits_the_gpu_tier_over_calls_and_keeps_every_part(tmp_path):
-    """A lent machine's call has a time limit shorter than the whole tier: `--test-paths` runs a part, and
-    `--append-tests` adds the next part's results (here the real pytest run of two files, skipped without a GPU)."""
-    proof = load_benchmark("gpu_proof")
-    work, out = tmp_path / "work", tmp_path / "out"
-    work.mkdir()
-    out.mkdir()
-    first = proof.gpu_tests("only", work, out, ["tests/test_faults.py"])
-    assert first["exit_code"] == 0 and len(first["parts"]) == 1 and first["results"]
-    both = proof.gpu_tests("only", work, out, ["tests/test_sharding.py"], append=True)
-    assert [p["paths"] for p in both["parts"]] == [["tests/test_faults.py"], ["tests/test_sharding.py"]]
-    assert both["results"] == first["results"] + both["parts"][1]["results"]
-    assert any("test_sharding.py" in line for line in both["results"])
-    assert json.loads((work / "gpu-tests.json").read_text()) == both  # what `--tests reuse` will report
-    log = (out / "gpu-tests.log").read_text()  # written as the tests run; every part's, in order
-    assert log.index("test_faults.py") < log.index("test_sharding.py")
-    assert (out / "gpu-tests-0.xml").is_file() and (out / "gpu-tests-1.xml").is_file()
-
-
-def test_gpu_proof_names_a_test_path_that_does_not_exist_before_doing_anything(tmp_path):
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_proof.py", "--tests", "only", "--work", str(tmp_path),
-                           "--test-paths", "tests/test_gpu.py,tests/test_nope.py"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2 and "--test-paths: no such test file" in proc.stderr and "test_nope.py" in proc.stderr
-    assert not list(tmp_path.iterdir())  # nothing probed or written

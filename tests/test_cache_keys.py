@@ -60,6 +60,9 @@ def alternative(model: type[BaseModel], name: str, value: object) -> object:
     raise AssertionError(f"no alternative value for {model.__name__}.{name}={value!r}: add one to this test")
 
 
+EVAL_ATTENTION = frozenset({"attn_implementation"})  # in the evaluation keys as what it resolves to (the plan)
+
+
 def section_overrides(section: str, model: type[BaseModel], cfg, skip: frozenset[str] = frozenset()) -> list[str]:
     current = getattr(cfg, section)
     return [f"{section}.{name}={alternative(model, name, getattr(current, name))}"
@@ -213,7 +216,7 @@ def test_evaluate_adapter_row(tmp_path, monkeypatch):
     (adapter / "adapter_model.safetensors").write_bytes(b"a1")
     keys = Keys(lambda cfg: eval_fingerprint(cfg, dataset(), base_model(), adapter, PLAN), [])
     cfg = load_config(None)
-    keys.assert_in_key(section_overrides("eval", EvalConfig, cfg))
+    keys.assert_in_key(section_overrides("eval", EvalConfig, cfg, skip=EVAL_ATTENTION))
     assert eval_fingerprint(cfg, dataset("d2"), base_model(), adapter, PLAN) != keys.reference
     assert eval_fingerprint(cfg, dataset(), base_model("b2"), adapter, PLAN) != keys.reference
     (adapter / "adapter_model.safetensors").write_bytes(b"a2")
@@ -222,7 +225,8 @@ def test_evaluate_adapter_row(tmp_path, monkeypatch):
     for plan_change in ({"eval_attn": "eager"}, {"device": "cuda"}):
         assert eval_fingerprint(cfg, dataset(), base_model(), adapter, PLAN.model_copy(update=plan_change)) \
             != keys.reference
-    keys.assert_not_in_key(["train.learning_rate=1e-3", "lora.r=4", *NOT_IN_ANY])
+    # the attention setting counts as the backend it resolves to (the plan's eval_attn, above), not as written
+    keys.assert_not_in_key(["train.learning_rate=1e-3", "lora.r=4", "eval.attn_implementation=sdpa", *NOT_IN_ANY])
     keys.assert_library_and_code_in_key(monkeypatch, "evaluate-adapter", tmp_path, cfg)
 
 
@@ -237,7 +241,7 @@ def test_evaluate_checkpoint_row(tmp_path, monkeypatch):
         (merged / name).write_text(content)
     keys = Keys(lambda cfg: combine(checkpoint_key_parts(cfg, dataset(), base_model(), merged, PLAN)), [])
     cfg = load_config(None)
-    keys.assert_in_key(section_overrides("eval", EvalConfig, cfg))
+    keys.assert_in_key(section_overrides("eval", EvalConfig, cfg, skip=EVAL_ATTENTION))
     assert combine(checkpoint_key_parts(cfg, dataset("d2"), base_model(), merged, PLAN)) != keys.reference
     assert combine(checkpoint_key_parts(cfg, dataset(), base_model("b2"), merged, PLAN)) != keys.reference
     elsewhere = tmp_path / "cache" / "merged" / "abc"  # another copy, another card: the same checkpoint
@@ -246,5 +250,6 @@ def test_evaluate_checkpoint_row(tmp_path, monkeypatch):
     assert combine(checkpoint_key_parts(cfg, dataset(), base_model(), elsewhere, PLAN)) == keys.reference
     (elsewhere / "model.safetensors").write_text("w2")
     assert combine(checkpoint_key_parts(cfg, dataset(), base_model(), elsewhere, PLAN)) != keys.reference
-    keys.assert_not_in_key(["train.learning_rate=1e-3", "lora.r=4", "export.dtype=float32", *NOT_IN_ANY])
+    keys.assert_not_in_key(["train.learning_rate=1e-3", "lora.r=4", "export.dtype=float32",
+                            "eval.attn_implementation=sdpa", *NOT_IN_ANY])
     keys.assert_library_and_code_in_key(monkeypatch, "evaluate-checkpoint", tmp_path, cfg)
