@@ -42,19 +42,19 @@ def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = 
     gpus = select_gpus(cfg.hardware.gpus, env.gpus)
     tokenizer = materialize_tokenizer(cfg.model.source, cfg.cache_root, cfg.model.revision,
                                       cfg.model.trust_remote_code)
-    data, data_cached = run_step(prepare_dataset, cfg, tokenizer)
-    base, base_cached = run_step(quantize_base_model, cfg, plan, gpus, run_dir)
+    data, data_step = run_step(prepare_dataset, cfg, tokenizer)
+    base, base_step = run_step(quantize_base_model, cfg, plan, gpus, run_dir)
     trainer = train_adapter.with_options(
         retries=cfg.train.retries,
         retry_delay_seconds=[cfg.train.retry_delay_seconds * 2**i for i in range(cfg.train.retries)] or 0,
     )
-    train, train_cached = run_step(trainer, cfg, data, base, plan, gpus, run_dir)
-    report, eval_cached = run_step(evaluate_adapter, cfg, data, base, train.adapter_path, plan, gpus)
+    train, train_step = run_step(trainer, cfg, data, base, plan, gpus, run_dir)
+    report, eval_step = run_step(evaluate_adapter, cfg, data, base, train.adapter_path, plan, gpus)
     merged = export_merged_model(cfg, data, base, train.adapter_path, plan, gpus, env, run_dir, report.table())
 
     publish_eval(report)
-    result = finish_run(run_dir, train, report, {"prepare-dataset": data_cached, "quantize-base-model": base_cached,
-                                                 "train-adapter": train_cached, "evaluate-adapter": eval_cached},
+    result = finish_run(run_dir, train, report, {"prepare-dataset": data_step, "quantize-base-model": base_step,
+                                                 "train-adapter": train_step, "evaluate-adapter": eval_step},
                         merged)
     if cfg.tracking.mlflow_uri:
         log_to_mlflow(cfg, plan, result)

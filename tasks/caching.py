@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, NamedTuple
 
 from prefect import Task
 
 
-def run_step(step: Task[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
-    """Run a step task; return (result, reused).
+class StepRun(NamedTuple):
+    """How a step ran: served from the store or computed, and its wall time (retries included)."""
+
+    cached: bool
+    seconds: float
+
+
+def run_step(step: Task[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, StepRun]:
+    """Run a step task; return (result, how it ran).
 
     Steps reuse verified store entries (tasks/store.py) and then finish in a Completed state named `Cached`, which
     is how the Prefect UI shows them too; this is the one cache layer, so there is nothing to reconcile here.
     """
+    started = time.perf_counter()
     state = step(*args, return_state=True, **kwargs)
-    return state.result(), state.name == "Cached"
+    result = state.result()
+    return result, StepRun(state.name == "Cached", round(time.perf_counter() - started, 2))

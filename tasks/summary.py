@@ -9,6 +9,7 @@ from pathlib import Path
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
+from tasks.caching import StepRun
 from tasks.compare import publish_comparison
 from tasks.evaluate import EvalReport
 from tasks.export import ExportResult
@@ -21,6 +22,7 @@ class FinetuneResult(BaseModel):
     run_dir: Path
     adapter_path: Path
     cached_steps: list[str]
+    step_seconds: dict[str, float] = {}  # wall time of each step in this run (a cached one: checking and reading)
     train: TrainResult
     eval: EvalReport
     plots: list[Path] = []
@@ -29,7 +31,7 @@ class FinetuneResult(BaseModel):
     previous_run: Path | None = None
 
 
-def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, cached: dict[str, bool],
+def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, steps: dict[str, StepRun],
                merged: ExportResult | None = None) -> FinetuneResult:
     """Copy the adapter and the TensorBoard logs into the run directory, draw the plots, compare with the
     previous run, publish the run's artifacts, and write summary.json last (it marks the run complete)."""
@@ -37,7 +39,8 @@ def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, cached: di
     shutil.copytree(train.adapter_path, adapter)
     shutil.copy(report.path, run_dir / "eval.json")
     result = FinetuneResult(run_dir=run_dir, adapter_path=adapter, train=train, eval=report, merged=merged,
-                            cached_steps=[name for name, hit in cached.items() if hit],
+                            cached_steps=[name for name, step in steps.items() if step.cached],
+                            step_seconds={name: step.seconds for name, step in steps.items()},
                             tensorboard_dir=copy_tensorboard_logs(train.output_dir, run_dir),
                             plots=publish_plots(run_dir, train, report))
     result.previous_run = publish_comparison(run_dir, result.model_dump(mode="json"))
@@ -48,8 +51,8 @@ def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, cached: di
                     f"{train.device} rank(s), peak memory {train.peak_memory_mb} MiB",
     )
     create_table_artifact(
-        [{"step": name, "cached": hit} for name, hit in cached.items()], key="step-cache",
-        description="Which steps were reused from cache in this run",
+        [{"step": name, "cached": step.cached, "seconds": step.seconds} for name, step in steps.items()],
+        key="step-cache", description="Which steps were reused from cache in this run, and each step's wall time",
     )
     create_link_artifact(adapter.as_uri(), link_text=str(adapter), key="adapter-location",
                          description="The trained LoRA adapter (load with peft.PeftModel.from_pretrained)")
@@ -69,6 +72,8 @@ def render_summary(r: FinetuneResult) -> str:
             f"- adapter: `{r.adapter_path}`\n- training: {r.train.steps} steps, loss {r.train.first_loss:.4f} -> "
             f"{r.train.final_loss:.4f}, {r.train.tokens_per_second} tokens/s, peak {r.train.peak_memory_mb} MiB\n"
             f"- cached steps: {', '.join(r.cached_steps) or 'none'}\n"
+            + (f"- step seconds: {', '.join(f'{n} {s:g}' for n, s in r.step_seconds.items())}\n"
+               if r.step_seconds else "")
             + (f"- merged checkpoint: `{r.merged.path}` ({r.merged.dtype}, logits within "
                f"{r.merged.logit_error:.2g} std of base + adapter)\n" if r.merged else "")
             + (f"- plots: {', '.join(f'`{p}`' for p in r.plots)}\n" if r.plots else "")

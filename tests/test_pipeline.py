@@ -13,6 +13,7 @@ import yaml
 from conftest import kill_rank_after_checkpoint, tiny_overrides
 from flows.finetune import finetune, main
 from tasks.errors import DataError
+from tasks.summary import render_summary
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,10 @@ def test_whole_flow_produces_an_evaluated_adapter(first_run):
     assert "GPUs" in (run_dir / "environment.md").read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["cached_steps"] == []
+    steps = summary["step_seconds"]  # each step's wall time, in the summary, the CLI's table and the step-cache artifact
+    assert list(steps) == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter"]
+    assert all(s > 0 for s in steps.values()) and steps["train-adapter"] > steps["prepare-dataset"]
+    assert "- step seconds: prepare-dataset " in render_summary(result)
     train = result.train
     assert train.steps == 6 and train.world_size == 1 and train.device == "cpu"
     assert len(train.loss_curve) == 6 and train.tokens_per_second > 0 and train.peak_memory_mb > 0
@@ -68,6 +73,7 @@ def test_second_identical_run_is_served_from_cache(first_run, shared_cache):
     assert again.cached_steps == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter"]
     assert again.run_dir != result.run_dir and (result.run_dir / "summary.json").is_file()  # earlier run untouched
     assert again.eval.adapter.loss == result.eval.adapter.loss
+    assert again.step_seconds["train-adapter"] < result.step_seconds["train-adapter"] / 2  # read back, not trained
     assert seconds < first_seconds / 2, (seconds, first_seconds)
 
 
