@@ -67,9 +67,11 @@ def prepare(args, work: Path, device: str):
 
     # Short rows to train on (the adapter learns fast), varied-length prompts to evaluate.
     train_file, eval_file = work / "train.jsonl", work / "eval.jsonl"
-    if not eval_file.is_file():
+    # a quarter more than asked: the dataset step drops held-out prompts that copy a training prompt
+    eval_rows = args.prompts + args.prompts // 4
+    if not eval_file.is_file() or len(eval_file.read_text().splitlines()) != eval_rows:
         write_data(train_file, args.train_rows, 0, seed=1)
-        write_data(eval_file, args.prompts, args.history, seed=2)
+        write_data(eval_file, eval_rows, args.history, seed=2)
     gpu = device == "cuda"
     cfg = load_config(None, [
         f"model.source={args.model}", f"data.source={train_file}", f"data.eval_source={eval_file}",
@@ -272,6 +274,8 @@ def main() -> int:
     print(f"prepared in {time.perf_counter() - started:.1f} s", flush=True)
 
     pairs = [json.loads(line) for line in (data.path / "eval_prompts.jsonl").read_text().splitlines()][: args.prompts]
+    if len(pairs) < args.prompts:
+        raise SystemExit(f"only {len(pairs)} distinct held-out prompts of the {args.prompts} asked for (--prompts)")
     prompts, references = [p["prompt"] for p in pairs], [p["reference"] for p in pairs]
     reference_model = _load_with_adapter(cfg, base, adapter, plan, device, "generate")  # the 4-bit model
     copy_model = _load_with_adapter(cfg, base, adapter, plan, device, "static")  # the dequantized copy
