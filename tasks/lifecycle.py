@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -157,8 +158,6 @@ def training_callback(job: dict[str, Any]):
 
     Creating it installs the signal handlers (a signal during model loading still ends the process at once: there
     is nothing to save yet)."""
-    import time
-
     from transformers import TrainerCallback
 
     from tasks.launcher import emit_event
@@ -231,8 +230,6 @@ class Faults:
         if s.get("sigkill_at_step") == step and self.rank == s.get("sigkill_rank", 0) and self._first_time():
             os.kill(os.getpid(), signal.SIGKILL)
         if s.get("step_seconds"):
-            import time
-
             time.sleep(float(s["step_seconds"]))
 
     def _first_time(self) -> bool:

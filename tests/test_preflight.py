@@ -68,6 +68,15 @@ def test_cli_lists_machine_problems_together(tmp_path):
         "hardware.gpus=3: no GPU with id 3", "flash_attention_2 needs the flash-attn package")
 
 
+def test_the_evaluation_backend_is_checked_against_the_machine_by_its_own_key():
+    from tasks.config import load_config
+    from tasks.preflight import machine_problems
+
+    problems = machine_problems(load_config(None, ["hardware.gpus=cpu", "eval.attn_implementation=flash_attention_4"]))
+    assert "eval.attn_implementation=flash_attention_4 needs a CUDA GPU, but this run uses the CPU " \
+           "(hardware.gpus=cpu)" in problems
+
+
 def test_flows_run_the_same_preflight(tmp_path):
     """A deployment run has no CLI: the flow's first step is the same check."""
     from flows.finetune import finetune
