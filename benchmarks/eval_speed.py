@@ -212,10 +212,10 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['variant']} | {r['attention']} | {b['prefill_seconds']} / {a['prefill_seconds']} | "
                          f"{b['decode_seconds']} / {a['decode_seconds']} | {b['decode_steps']} / {a['decode_steps']} |")
     if report.get("attention_probe"):
-        lines += ["", "## Attention probe (what `auto` measured)", "", "| backend | eval ms | train ms | max rel diff "
-                  "| error |", "|---|---|---|---|---|"]
-        lines += [f"| {t['backend']} | {t['eval_ms']} | {t['train_ms']} | {t['max_rel_diff']} | {t['error'] or ''} |"
-                  for t in report["attention_probe"]]
+        lines += ["", "## Attention probe (what `auto` measured)", "", "| backend | eval ms | padded train ms | "
+                  "packed train ms | max rel diff | error |", "|---|---|---|---|---|---|"]
+        lines += [f"| {t['backend']} | {t['eval_ms']} | {t['train_ms']} | {t.get('packed_train_ms')} | "
+                  f"{t['max_rel_diff']} | {t['error'] or ''} |" for t in report["attention_probe"]]
     return "\n".join(lines) + "\n"
 
 

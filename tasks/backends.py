@@ -3,14 +3,17 @@
 - `installed()` runs inside the environment probe (a child process): which backends this Python can import.
 - `usable()` adds what the selected GPUs can run: every selected GPU must have the compute capability a
   backend needs (a mixed host is only as capable as its weakest selected GPU), and flash kernels need fp16/bf16.
-- `measure()` runs in a child process on the selected GPUs: for each usable backend, a short timing probe on a
-  one-layer model with the run's attention shape (heads, KV heads, head dim, dtype), an evaluation-like forward
-  and a training-like forward+backward, checked against sdpa on the same inputs. Results are cached per GPU
-  model and software versions (`<cache>/attention-probes/`), so a host measures once.
+- `measure_on_device()` runs in a child process on the selected GPUs: for each usable backend, a short timing
+  probe on a one-layer model with the run's attention shape (heads, KV heads, head dim, dtype): an
+  evaluation-like padded forward, a padded forward+backward, and a forward+backward over packed rows through the
+  variable-length kernel that packed training calls for that backend (tasks/attention.py), on fresh packed
+  layouts, each checked against sdpa on the same inputs. Results are cached per GPU model and software versions
+  (`<cache>/attention-probes/`), so a host measures once.
 - `resolve_attention()` turns `hardware.attn_implementation` into one backend for training and one for
   evaluation (`eval.attn_implementation`, where set, decides evaluation's alone): `auto` is the fastest correct
-  backend for each purpose (sdpa on the CPU, or when nothing else is usable), an explicit name is checked against
-  the selected GPUs.
+  backend for each purpose (for training, on the path it runs: packed or padded), kept at sdpa unless another is
+  faster by more than SWITCH_MARGIN (sdpa on the CPU, or when nothing else is usable); an explicit name is
+  checked against the selected GPUs.
 """
 
 from __future__ import annotations
@@ -38,14 +41,20 @@ REQUIREMENTS = {
 # input shape, and evaluation batches and packed training rows change shape all the time. Set it explicitly.
 AUTO_CANDIDATES = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 TOLERANCE = 2e-2  # max |out - sdpa out| / max |sdpa out| for a backend to count as correct (bf16 kernels)
+# A backend other than sdpa must beat it by more than this to be chosen. Two runs of one engine on an H200 differ
+# by ~2% (benchmarks/results/eval-bench-1xGPU-20261201-*), and a switch is not free: on the H200 the padded probe
+# put FA4 2% ahead for training, yet packed, compiled training on FA4 took 106 s to its first step (torch varlen:
+# 53 s) and ran at 0.66x the tokens/s (train-bench-1xGPU-20261201-142917, gpu-proof-1xGPU-20261201-141724).
+SWITCH_MARGIN = 0.05
 
 
 class BackendTiming(BaseModel):
     backend: str
     gpu: str  # "<name> (sm_XY)"
     eval_ms: float | None = None  # forward of a padded batch (prefill-like)
-    train_ms: float | None = None  # forward + backward
-    max_rel_diff: float | None = None  # against sdpa's output on the same inputs
+    train_ms: float | None = None  # forward + backward of that padded batch (training with train.packing=false)
+    packed_train_ms: float | None = None  # forward + backward over packed rows, varlen kernel (train.packing=true)
+    max_rel_diff: float | None = None  # against sdpa's output on the same inputs (padded and packed, the worse)
     error: str | None = None
 
     @property
@@ -100,9 +109,12 @@ def candidates(attention: dict[str, str], gpus: list[GpuInfo], precision: str) -
     return [b for b in AUTO_CANDIDATES if usable(b, attention, gpus, precision) is None]
 
 
-def choose(timings: list[BackendTiming], names: list[str], purpose: str) -> tuple[str, str]:
-    """The backend with the lowest worst-case time over the measured GPU models, and why (sdpa if none won)."""
-    key = "eval_ms" if purpose == "eval" else "train_ms"
+def choose(timings: list[BackendTiming], names: list[str], purpose: str, packed: bool = True) -> tuple[str, str]:
+    """The backend with the lowest worst-case time over the measured GPU models, and why (sdpa if none won, or
+    if the winner is not faster than sdpa by more than SWITCH_MARGIN). Training is judged on the path it runs:
+    packed rows through a varlen kernel, or padded batches."""
+    key = "eval_ms" if purpose == "eval" else ("packed_train_ms" if packed else "train_ms")
+    label = "eval" if purpose == "eval" else ("packed train" if packed else "padded train")
     worst: dict[str, float] = {}
     for name in names:
         rows = [t for t in timings if t.backend == name]
@@ -112,13 +124,17 @@ def choose(timings: list[BackendTiming], names: list[str], purpose: str) -> tupl
         return "sdpa", "no backend measured correct and faster; sdpa"
     best = min(worst, key=worst.get)
     ranking = ", ".join(f"{n} {worst[n]:.2f} ms" for n in sorted(worst, key=worst.get))
-    return best, f"fastest measured for {purpose}: {ranking}"
+    if best != "sdpa" and "sdpa" in worst and worst[best] > worst["sdpa"] * (1 - SWITCH_MARGIN):
+        return "sdpa", (f"fastest measured for {label}: {ranking}; {best} is within {SWITCH_MARGIN:.0%} of sdpa, "
+                        "so sdpa")
+    return best, f"fastest measured for {label}: {ranking}"
 
 
 def resolve_attention(want: str, attention: dict[str, str], gpus: list[GpuInfo], precision: str,
                       hub_reachable: bool, timings: list[BackendTiming] | None,
-                      key: str = "hardware.attn_implementation") -> tuple[str, str, dict, list[str]]:
-    """(train backend, eval backend, why, problems) for the attention setting `key` (problems name it)."""
+                      key: str = "hardware.attn_implementation", packed: bool = True) -> tuple[str, str, dict, list[str]]:
+    """(train backend, eval backend, why, problems) for the attention setting `key` (problems name it); `packed`:
+    whether training packs rows (train.packing), which decides the training timing `auto` compares."""
     if want == "auto":
         names = candidates(attention, gpus, precision) if gpus else ["sdpa"]
         if names == ["sdpa"]:
@@ -127,7 +143,7 @@ def resolve_attention(want: str, attention: dict[str, str], gpus: list[GpuInfo],
         if not timings:
             why = f"usable {names} not measured; sdpa"
             return "sdpa", "sdpa", {"train": why, "eval": why}, []
-        train, train_why = choose(timings, names, "train")
+        train, train_why = choose(timings, names, "train", packed)
         evaluation, eval_why = choose(timings, names, "eval")
         return train, evaluation, {"train": train_why, "eval": eval_why}, []
     problems = []
@@ -210,33 +226,94 @@ def _probe_model(backend: str, shape: dict, dtype, device):
     return model
 
 
-def _time(fn, repeats: int = 5) -> float:
+def _sync(device) -> None:
     import torch
 
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device, repeats: int = 5) -> float:
     fn()
-    torch.cuda.synchronize()
+    _sync(device)
     started = time.perf_counter()
     for _ in range(repeats):
         fn()
-    torch.cuda.synchronize()
+    _sync(device)
     return (time.perf_counter() - started) / repeats * 1000
 
 
-def measure_on_device(device_index: int, names: list[str], shape: dict, dtype_name: str,
-                      batch: int = 16, length: int = 512) -> list[BackendTiming]:
-    """Time each backend on one GPU (inside a worker): a padded prefill-like forward and a forward+backward."""
+def packed_layouts(count: int, budget: int = 8192, seed: int = 0) -> list[list[int]]:
+    """`count` packings of row lengths as training sees them (lognormal, median 256, 32..1024), each filling about
+    `budget` tokens: the cumulative boundaries (cu_seqlens) of one packed micro-batch per layout."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    layouts = []
+    for _ in range(count):
+        cu = [0]
+        while cu[-1] < budget:
+            n = min(1024, max(32, round(rng.lognormvariate(math.log(256), 0.7))))
+            cu.append(min(budget, cu[-1] + n))
+        layouts.append(cu)
+    return layouts
+
+
+def _packed_inputs(cu: list[int], device) -> dict:
     import torch
 
-    device = torch.device("cuda", device_index)
+    g = torch.Generator().manual_seed(len(cu))
+    positions = [p for a, b in zip(cu, cu[1:]) for p in range(b - a)]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    return {"input_ids": torch.randint(0, 256, (1, cu[-1]), generator=g).to(device),
+            "position_ids": torch.tensor([positions], device=device), "cu_seq_lens_q": cu_t, "cu_seq_lens_k": cu_t,
+            "max_length_q": longest, "max_length_k": longest}
+
+
+def _time_packed(model, layouts: list[dict], device) -> float:
+    """ms per forward+backward over packed rows: the first layout warms up (one-time kernel compilation), the
+    others are new shapes, as training's micro-batches are, so a kernel that recompiles per shape pays for it."""
+
+    def step(inputs):
+        model.model(**inputs).last_hidden_state.float().pow(2).mean().backward()
+
+    step(layouts[0])
+    _sync(device)
+    started = time.perf_counter()
+    for inputs in layouts[1:]:
+        step(inputs)
+    _sync(device)
+    return (time.perf_counter() - started) / (len(layouts) - 1) * 1000
+
+
+def measure_on_device(device_index: int | str, names: list[str], shape: dict, dtype_name: str,
+                      batch: int = 16, length: int = 512, layouts: int = 6) -> list[BackendTiming]:
+    """Time each backend on one GPU (inside a worker): a padded prefill-like forward, a padded forward+backward,
+    and a packed forward+backward through the varlen kernel packed training calls for the backend. An int is
+    a CUDA device index; "cpu" runs the same code on the CPU (sdpa and the exact per-row kernel only)."""
+    import torch
+
+    from tasks.attention import packed_kernel_for, use_packed_attention
+
+    device = torch.device("cuda", device_index) if isinstance(device_index, int) else torch.device(device_index)
     dtype = getattr(torch, dtype_name)
-    gpu = f"{torch.cuda.get_device_name(device)} (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))})"
+    on_gpu = device.type == "cuda"
+    gpu = (f"{torch.cuda.get_device_name(device)} (sm_{''.join(map(str, torch.cuda.get_device_capability(device)))})"
+           if on_gpu else "cpu")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (batch, length), generator=g).to(device)
     mask = torch.ones_like(ids)
     for r in range(batch):  # varied lengths, as in real batches (left padding, like generation)
         mask[r, : (r * length) // (2 * batch)] = 0
-    reference = None
+    packed = [_packed_inputs(cu, device) for cu in packed_layouts(layouts)]
+    reference = packed_reference = None
     out = []
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max().clamp(min=1e-6))
+
     for name in ["sdpa", *[n for n in names if n != "sdpa"]]:
         row = BackendTiming(backend=name, gpu=gpu)
         try:
@@ -244,16 +321,27 @@ def measure_on_device(device_index: int, names: list[str], shape: dict, dtype_na
             with torch.no_grad():
                 hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state.float() * mask[..., None]
             reference = hidden if name == "sdpa" else reference
-            row.max_rel_diff = float((hidden - reference).abs().max() / reference.abs().max().clamp(min=1e-6))
+            row.max_rel_diff = rel(hidden, reference)
             with torch.no_grad():
-                row.eval_ms = round(_time(lambda: model.model(input_ids=ids, attention_mask=mask)), 3)
+                row.eval_ms = round(_time(lambda: model.model(input_ids=ids, attention_mask=mask), device), 3)
             model.train()
             row.train_ms = round(_time(lambda: model.model(input_ids=ids, attention_mask=mask)
-                                       .last_hidden_state.float().pow(2).mean().backward()), 3)
+                                       .last_hidden_state.float().pow(2).mean().backward(), device), 3)
+            if name == "sdpa":  # the reference for packed rows: each row of the first layout run alone
+                cu, ids0 = packed[0]["cu_seq_lens_q"].tolist(), packed[0]["input_ids"]
+                with torch.no_grad():
+                    packed_reference = torch.cat([model.model(input_ids=ids0[:, a:b]).last_hidden_state.float()
+                                                  for a, b in zip(cu, cu[1:])], dim=1)
+            use_packed_attention(model, packed_kernel_for(name, on_gpu))
+            with torch.no_grad():
+                row.max_rel_diff = max(row.max_rel_diff, rel(model.model(**packed[0]).last_hidden_state.float(),
+                                                             packed_reference))
+            row.packed_train_ms = round(_time_packed(model, packed, device), 3)
         except Exception as exc:  # a backend that fails here is simply not chosen; the reason is reported
             row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         out.append(row)
-        torch.cuda.empty_cache()
+        if on_gpu:
+            torch.cuda.empty_cache()
     return out
 
 

@@ -162,7 +162,8 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
         problems.append(f"quantization.load_in_4bit needs bitsandbytes: {env.bitsandbytes_4bit}")
 
     train_attn, eval_attn, why, attention_problems = resolve_attention(
-        cfg.hardware.attn_implementation, env.attention, gpus, p, env.hub_reachable, timings)
+        cfg.hardware.attn_implementation, env.attention, gpus, p, env.hub_reachable, timings,
+        packed=cfg.train.packing)
     problems += attention_problems
     if cfg.eval.attn_implementation not in (None, cfg.hardware.attn_implementation):  # evaluation's own choice
         _, eval_attn, eval_why, attention_problems = resolve_attention(
@@ -223,10 +224,10 @@ def report_markdown(env: EnvironmentReport, plan: Plan | None = None) -> str:
     lines += ["", "## Attention backends", "", "| backend | status |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in env.attention.items()]
     if env.attention_timings:
-        lines += ["", "## Attention probes (auto)", "", "| backend | GPU | eval ms | train ms | max rel diff vs sdpa "
-                  "| error |", "|---|---|---|---|---|---|"]
-        lines += [f"| {t.backend} | {t.gpu} | {t.eval_ms} | {t.train_ms} | {t.max_rel_diff} | {t.error or ''} |"
-                  for t in env.attention_timings]
+        lines += ["", "## Attention probes (auto)", "", "| backend | GPU | eval ms | padded train ms | packed train ms "
+                  "| max rel diff vs sdpa | error |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {t.backend} | {t.gpu} | {t.eval_ms} | {t.train_ms} | {t.packed_train_ms} | {t.max_rel_diff} "
+                  f"| {t.error or ''} |" for t in env.attention_timings]
     if env.kernels:
         lines += ["", "## Layer kernels (hardware.kernels)", "", "| layer | status |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in env.kernels.items()]

@@ -22,9 +22,10 @@ INSTALLED = {"eager": "available", "sdpa": "available", "flash_attention_2": "av
              "flex_attention": "available", "hub_kernels": "kernels not installed"}
 
 
-def timing(backend, eval_ms, train_ms, gpu_name="NVIDIA H100 (sm_90)", diff=1e-3, error=None):
+def timing(backend, eval_ms, train_ms, gpu_name="NVIDIA H100 (sm_90)", diff=1e-3, error=None, packed_ms="same"):
+    """A probe row; the packed training time is the padded one unless given."""
     return BackendTiming(backend=backend, gpu=gpu_name, eval_ms=eval_ms, train_ms=train_ms, max_rel_diff=diff,
-                         error=error)
+                         error=error, packed_train_ms=train_ms if packed_ms == "same" else packed_ms)
 
 
 def test_only_backends_every_selected_gpu_can_run_are_candidates():
@@ -44,8 +45,53 @@ def test_auto_picks_the_fastest_correct_backend_for_each_purpose():
     train, evaluation, why, problems = resolve_attention("auto", INSTALLED, [H100], "bf16", False, timings)
     assert (train, evaluation, problems) == ("flash_attention_2", "flash_attention_4", [])
     assert why["eval"].startswith("fastest measured for eval: flash_attention_4 1.00 ms")
+    assert why["train"].startswith("fastest measured for packed train: flash_attention_2 4.00 ms")
     timings[2] = timing("flash_attention_4", None, None, error="RuntimeError: no kernel for this shape")
     assert resolve_attention("auto", INSTALLED, [H100], "bf16", False, timings)[1] == "flash_attention_2"
+
+
+def test_training_is_judged_on_the_path_it_runs_and_a_switch_from_sdpa_needs_a_clear_win():
+    # as measured on an H200: FA4 2% ahead of sdpa on a padded forward+backward, but packed training runs varlen
+    # kernels, where it was behind (train-bench-1xGPU-20261201-142917: 0.66x the tokens/s of torch varlen)
+    timings = [timing("sdpa", 2.37, 7.21, packed_ms=3.0), timing("flash_attention_4", 2.46, 7.05, packed_ms=4.5)]
+    train, evaluation, why, _ = resolve_attention("auto", INSTALLED, [H100], "bf16", False, timings)
+    assert (train, evaluation) == ("sdpa", "sdpa")
+    assert why["train"] == "fastest measured for packed train: sdpa 3.00 ms, flash_attention_4 4.50 ms"
+    # padded training (train.packing=false) compares the padded timings: FA4's 2% is within the switch margin
+    train, _, why, _ = resolve_attention("auto", INSTALLED, [H100], "bf16", False, timings, packed=False)
+    assert train == "sdpa"
+    assert why["train"].endswith("flash_attention_4 is within 5% of sdpa, so sdpa")
+    # a clear win (> 5%) switches, for each path on its own timings
+    timings = [timing("sdpa", 2.0, 8.0, packed_ms=3.0), timing("flash_attention_4", 1.8, 7.0, packed_ms=3.1)]
+    assert resolve_attention("auto", INSTALLED, [H100], "bf16", False, timings)[:2] == ("sdpa", "flash_attention_4")
+    assert resolve_attention("auto", INSTALLED, [H100], "bf16", False, timings, packed=False)[0] == "flash_attention_4"
+    # a backend without a packed timing (its varlen kernel failed) is never chosen for packed training
+    timings = [timing("sdpa", 2.0, 8.0, packed_ms=3.0), timing("flash_attention_4", 1.0, 4.0, packed_ms=None)]
+    assert resolve_attention("auto", INSTALLED, [H100], "bf16", False, timings)[0] == "sdpa"
+
+
+def test_train_packing_decides_which_training_timing_the_plan_uses():
+    host = [H100]
+    timings = [timing("sdpa", 2.0, 8.0, packed_ms=3.0), timing("flash_attention_4", 2.0, 6.0, packed_ms=3.5)]
+    packed = resolve_plan(load_config(None, ["hardware.gpus=0"]), report(host, fa4=True), selection_for("0", host),
+                          timings)
+    padded = resolve_plan(load_config(None, ["hardware.gpus=0", "train.packing=false"]), report(host, fa4=True),
+                          selection_for("0", host), timings)
+    assert (packed.train_attn, padded.train_attn) == ("sdpa", "flash_attention_4")
+
+
+def test_the_probe_times_padded_and_packed_training_and_checks_packed_rows_against_sdpa_on_the_cpu():
+    from tasks.backends import measure_on_device, packed_layouts
+
+    for cu in packed_layouts(3, budget=2048):
+        assert cu[0] == 0 and cu[-1] == 2048 and all(b > a for a, b in zip(cu, cu[1:]))
+        assert max(b - a for a, b in zip(cu, cu[1:])) <= 1024
+    assert len({tuple(cu) for cu in packed_layouts(3)}) == 3  # every timed step is a new shape
+    (row,) = measure_on_device("cpu", ["sdpa"], {"heads": 4, "kv_heads": 2, "head_dim": 16}, "float32",
+                               batch=4, length=64, layouts=3)
+    assert row.error is None, row.error
+    assert row.gpu == "cpu" and row.eval_ms > 0 and row.train_ms > 0 and row.packed_train_ms > 0
+    assert row.correct and row.max_rel_diff < 1e-5  # one packed row of many examples = each example run alone
 
 
 def test_a_mixed_host_is_judged_by_the_selected_gpus_not_its_best():
