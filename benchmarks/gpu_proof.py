@@ -35,30 +35,48 @@ def run_gpu_tests(work: Path, paths: list[str], append: bool = False) -> dict:
     """The GPU tier (`make test-gpu`: every test marked `gpu`) in `paths`, its log (written as it runs, so a call cut
     short by a time limit still leaves it) and JUnit XML kept in `work` with a summary JSON, so a later call
     (`--tests reuse`) can put them in its report. With `append` the results join those an earlier call left there
-    (the tier split over calls: `--test-paths`)."""
+    (the tier split over calls: `--test-paths`). The part is recorded before it starts: one that a time limit cuts
+    short keeps its log and shows as not finished, and the next part is numbered after it."""
     from tasks.store import write_atomic
 
     summary = work / "gpu-tests.json"
     parts = json.loads(summary.read_text()).get("parts", []) if append and summary.is_file() else []
-    xml, log = work / f"gpu-tests-{len(parts)}.xml", work / f"gpu-tests-{len(parts)}.log"
+    index = len(parts)
+    xml, log = work / f"gpu-tests-{index}.xml", work / f"gpu-tests-{index}.log"
+    parts.append({"exit_code": None, "seconds": None, "paths": paths, "results": [],
+                  "summary": "not finished (stopped before pytest ended)"})
+
+    def publish(parts: list[dict]) -> dict:
+        codes = [124 if p["exit_code"] is None else p["exit_code"] for p in parts]
+        result = {"exit_code": max(codes), "seconds": round(sum(p["seconds"] or 0 for p in parts), 1),
+                  "results": [line for p in parts for line in p["results"]],
+                  "summary": "; ".join(p["summary"] for p in parts), "parts": parts}
+        write_atomic(summary, json.dumps(result, indent=2))
+        return result
+
+    work.mkdir(parents=True, exist_ok=True)
+    publish(parts)
+    # every part of the tier, and the flow runs after it, share one cache: the 4-bit base, probes (tests/conftest.py)
+    env = {**os.environ, "FINETUNE_FLOWS_GPU_CACHE": str(work / "cache")}
     started = time.perf_counter()
     with log.open("w") as sink:
         code = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
                                "-s", "--durations=15", f"--junitxml={xml}", *paths],
-                              cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True).returncode
+                              cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True).returncode
     output = log.read_text()
-    parts.append({"exit_code": code, "seconds": round(time.perf_counter() - started, 1), "paths": paths,
-                  "results": [line for line in output.splitlines()
-                              if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))],
-                  "summary": output.strip().splitlines()[-1] if output.strip() else ""})
-    result = {"exit_code": max(p["exit_code"] for p in parts), "seconds": round(sum(p["seconds"] for p in parts), 1),
-              "results": [line for p in parts for line in p["results"]],
-              "summary": "; ".join(p["summary"] for p in parts), "parts": parts}
-    write_atomic(work / "gpu-tests.log", "\n".join(  # every part's log, in order
-        (work / f"gpu-tests-{i}.log").read_text() for i in range(len(parts))))
-    shutil.copyfile(xml, work / "gpu-tests.xml")
-    write_atomic(summary, json.dumps(result, indent=2))
-    return result
+    parts[index] = {"exit_code": code, "seconds": round(time.perf_counter() - started, 1), "paths": paths,
+                    "results": [line for line in output.splitlines()
+                                if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))],
+                    "summary": output.strip().splitlines()[-1] if output.strip() else ""}
+    if xml.is_file():
+        shutil.copyfile(xml, work / "gpu-tests.xml")
+    return publish(parts)
+
+
+def combined_log(work: Path) -> str:
+    """Every part's log, in order (a part cut short included), for the report."""
+    logs = sorted(work.glob("gpu-tests-*.log"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    return "\n".join(f"===== {p.name}\n{p.read_text()}" for p in logs)
 
 
 def gpu_tests(mode: str, work: Path, out: Path, paths: list[str] | None = None, append: bool = False) -> dict:
@@ -68,13 +86,18 @@ def gpu_tests(mode: str, work: Path, out: Path, paths: list[str] | None = None, 
         return {"summary": "skipped", "results": [], "seconds": 0}
     if mode == "reuse" and not (work / "gpu-tests.json").is_file():
         raise SystemExit(f"--tests reuse: no earlier GPU test results in {work} (run with --tests only first)")
-    if mode in ("run", "only"):
-        result = run_gpu_tests(work, paths or ["tests/"], append)
-    else:
-        result = json.loads((work / "gpu-tests.json").read_text())
-    for name in ("gpu-tests.log", *(p.name for p in sorted(work.glob("gpu-tests*.xml")))):
-        if (work / name).is_file():
-            shutil.copyfile(work / name, out / name)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if mode in ("run", "only"):
+            result = run_gpu_tests(work, paths or ["tests/"], append)
+        else:
+            result = json.loads((work / "gpu-tests.json").read_text())
+    finally:  # the logs go beside the report even when a signal stops the tier
+        from tasks.store import write_atomic
+
+        write_atomic(out / "gpu-tests.log", combined_log(work))
+        for xml in sorted(work.glob("gpu-tests*.xml")):
+            shutil.copyfile(xml, out / xml.name)
     return result
 
 

@@ -132,7 +132,8 @@ def choose(timings: list[BackendTiming], names: list[str], purpose: str, packed:
 
 def resolve_attention(want: str, attention: dict[str, str], gpus: list[GpuInfo], precision: str,
                       hub_reachable: bool, timings: list[BackendTiming] | None,
-                      key: str = "hardware.attn_implementation", packed: bool = True) -> tuple[str, str, dict, list[str]]:
+                      key: str = "hardware.attn_implementation",
+                      packed: bool = True) -> tuple[str, str, dict, list[str]]:
     """(train backend, eval backend, why, problems) for the attention setting `key` (problems name it); `packed`:
     whether training packs rows (train.packing), which decides the training timing `auto` compares."""
     if want == "auto":

@@ -31,7 +31,7 @@ def smi(query: str) -> list[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def gpu_setup(prefect_server, shared_cache, tmp_path_factory):
+def gpu_setup(prefect_server, gpu_cache, tmp_path_factory):
     """Environment, plan, dataset and 4-bit base model on GPU 0, shared by the tests below."""
     from tasks.dataset import prepare_dataset
     from tasks.models import materialize_tokenizer
@@ -41,8 +41,8 @@ def gpu_setup(prefect_server, shared_cache, tmp_path_factory):
     cfg = load_config(None, [f"model.source={MODEL}", "data.builtin_examples=600", "data.max_length=128",
                              "train.max_steps=30", "train.save_steps=10", "train.logging_steps=5",
                              "train.per_device_batch_size=8", "train.learning_rate=1e-3", "eval.max_samples=32",
-                             "eval.batch_size=32", f"run.cache_dir={shared_cache / 'gpu'}", "hardware.gpus=0"])
-    env = run_probe(work)
+                             "eval.batch_size=32", f"run.cache_dir={gpu_cache}", "hardware.gpus=0"])
+    env = run_probe(work, {}, gpu_cache)
     sel = selection_for("0", env.gpus)
     plan = resolve_plan(cfg, env, sel)
     data = prepare_dataset.fn(cfg, materialize_tokenizer(cfg.model.source, cfg.cache_root))

@@ -39,9 +39,9 @@ def test_gpu_proof_reuses_the_gpu_tier_an_earlier_call_left_and_refuses_when_the
     assert proof.gpu_tests("skip", work, out)["summary"] == "skipped"
     earlier = {"exit_code": 0, "seconds": 1.0, "results": ["PASSED tests/test_gpu.py::x"], "summary": "1 passed"}
     (work / "gpu-tests.json").write_text(json.dumps(earlier))
-    (work / "gpu-tests.log").write_text("the log")
+    (work / "gpu-tests-0.log").write_text("the log")
     assert proof.gpu_tests("reuse", work, out) == earlier
-    assert (out / "gpu-tests.log").read_text() == "the log"  # the report directory gets the earlier call's log
+    assert "the log" in (out / "gpu-tests.log").read_text()  # the report directory gets the earlier call's log
 
 
 def test_gpu_proof_splits_the_gpu_tier_over_calls_and_keeps_every_part(tmp_path):
@@ -61,6 +61,24 @@ def test_gpu_proof_splits_the_gpu_tier_over_calls_and_keeps_every_part(tmp_path)
     log = (out / "gpu-tests.log").read_text()  # written as the tests run; every part's, in order
     assert log.index("test_faults.py") < log.index("test_sharding.py")
     assert (out / "gpu-tests-0.xml").is_file() and (out / "gpu-tests-1.xml").is_file()
+
+
+def test_a_gpu_tier_part_cut_short_keeps_its_log_and_counts_as_not_finished(tmp_path):
+    """A call's time limit can stop pytest mid-part (seen on an H200: the first part's log was then overwritten by
+    the next call's). The part is recorded before it starts, so the next part is numbered after it."""
+    proof = load_benchmark("gpu_proof")
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    cut = {"exit_code": None, "seconds": None, "paths": ["tests/test_gpu.py"], "results": [],
+           "summary": "not finished (stopped before pytest ended)"}
+    (work / "gpu-tests.json").write_text(json.dumps({"parts": [cut]}))
+    (work / "gpu-tests-0.log").write_text("PASSED tests/test_gpu.py::test_environment_report_matches_nvidia_smi")
+    result = proof.gpu_tests("only", work, out, ["tests/test_sharding.py"], append=True)
+    assert [p["paths"] for p in result["parts"]] == [["tests/test_gpu.py"], ["tests/test_sharding.py"]]
+    assert result["exit_code"] == 124 and result["summary"].startswith("not finished")
+    log = (out / "gpu-tests.log").read_text()
+    assert log.index("===== gpu-tests-0.log") < log.index("test_environment_report") < log.index(
+        "===== gpu-tests-1.log") < log.index("test_sharding.py")
 
 
 def test_gpu_proof_names_a_test_path_that_does_not_exist_before_doing_anything(tmp_path):

@@ -130,7 +130,7 @@ def test_the_scale_out_report_sets_fsdp_against_ddp():
 @pytest.mark.gpu
 @pytest.mark.skipif(len(read_inventory()) < 2, reason="needs 2 GPUs")
 @pytest.mark.timeout(3600)
-def test_fsdp_on_two_gpus_shards_the_bf16_stored_base_and_matches_ddp(prefect_server, shared_cache, tmp_path,
+def test_fsdp_on_two_gpus_shards_the_bf16_stored_base_and_matches_ddp(prefect_server, gpu_cache, tmp_path,
                                                                      monkeypatch):
     """The GPU case of tests/test_scale_out.py: bf16 storage gathered over NCCL, Liger where installed, a killed rank
     resumed. `make test-gpu` on a host with 2 GPUs (FINETUNE_FLOWS_GPU_MODEL picks the model)."""
@@ -149,7 +149,7 @@ def test_fsdp_on_two_gpus_shards_the_bf16_stored_base_and_matches_ddp(prefect_se
     # lr 2e-4: at 1e-3 a 2-GPU DDP run of the training benchmark diverged after step 13 (benchmarks/README.md)
     common = {"model.source": model, "data.builtin_examples": 600, "train.max_steps": 12, "train.save_steps": 6,
               "train.learning_rate": 2e-4, "train.retries": 1, "export.merge": False, "hardware.gpus": "0,1"}
-    cache = shared_cache / "gpu-fsdp"
+    cache = gpu_cache
     ddp = finetune(None, tiny_overrides(cache, tmp_path / "ddp", **common)).train
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"sigkill_at_step": 9, "sigkill_rank": 1,
                                                "once": str(tmp_path / "killed")}))
