@@ -134,8 +134,10 @@ class PeakMemory:
         return round(self.peak / 2**20, 1)
 
 
-def run_variant(name, model, generate, tokenizer, references, metric, device) -> dict:
-    """Base then base + adapter, each after an untimed warm-up on 8 prompts."""
+def run_variant(name, model, generate, tokenizer, references, metric, device, repeats: int = 1) -> dict:
+    """Base then base + adapter, each after an untimed warm-up on 8 prompts, timed `repeats` times: the row's
+    seconds are the median run's, with every run's kept (two engines within that spread are a tie). Greedy
+    decoding must give the same answers on every repeat."""
     from tasks.metrics import score_answer
 
     row = {"variant": name, "attention": model.config._attn_implementation}
@@ -143,20 +145,37 @@ def run_variant(name, model, generate, tokenizer, references, metric, device) ->
         (model.base_model.disable_adapter_layers if side == "base" else model.base_model.enable_adapter_layers)()
         generate(8)
         with PeakMemory(device) as memory:
-            gen = generate(None)
-        if gen.failures:
-            raise RuntimeError(f"{name}: {len(gen.failures)} prompts failed: {gen.failures[:3]}")
+            runs = [generate(None) for _ in range(repeats)]
+        for gen in runs:
+            if gen.failures:
+                raise RuntimeError(f"{name}: {len(gen.failures)} prompts failed: {gen.failures[:3]}")
+        if any(gen.tokens != runs[0].tokens for gen in runs):
+            raise RuntimeError(f"{name}: greedy answers differ between repeats")
+        gen = sorted(runs, key=lambda g: g.seconds)[len(runs) // 2]  # the median run
         answers = tokenizer.batch_decode(gen.tokens, skip_special_tokens=True)
         tokens = sum(map(len, gen.tokens))
-        row[side] = {"seconds": round(gen.seconds, 3), "first_result_seconds": round(gen.first_result_seconds, 3),
+        row[side] = {"seconds": round(gen.seconds, 3), "runs_seconds": [round(g.seconds, 3) for g in runs],
+                     "first_result_seconds": round(gen.first_result_seconds, 3),
                      "generated_tokens": tokens, "tokens_per_second": round(tokens / max(gen.seconds, 1e-9), 1),
                      "peak_memory_mib": memory.mib, "details": gen.details,
                      "exact_match": round(sum(score_answer(a, r, metric) for a, r in zip(answers, references))
                                           / len(references), 4), "answers": answers}
-        print(f"  {name} {side}: {gen.seconds:.2f} s, {row[side]['tokens_per_second']} tokens/s, exact match "
-              f"{row[side]['exact_match']}", flush=True)
+        print(f"  {name} {side}: {gen.seconds:.2f} s (runs {row[side]['runs_seconds']}), "
+              f"{row[side]['tokens_per_second']} tokens/s, exact match {row[side]['exact_match']}", flush=True)
     row["seconds"] = round(row["base"]["seconds"] + row["adapter"]["seconds"], 3)
+    row["runs_seconds"] = [round(b + a, 3) for b, a in zip(row["base"]["runs_seconds"], row["adapter"]["runs_seconds"])]
     return row
+
+
+def fastest_and_ties(rows: list[dict]) -> tuple[str | None, list[str]]:
+    """The fastest measured variant by median seconds, and every variant whose runs overlap the fastest's (a
+    tie: the same as the fastest within the spread of repeated runs)."""
+    measured = [r for r in rows if "error" not in r and r["variant"] != "generate"]
+    if not measured:
+        return None, []
+    best = min(measured, key=lambda r: r["seconds"])
+    top = max(best.get("runs_seconds") or [best["seconds"]])
+    return best["variant"], [r["variant"] for r in measured if min(r.get("runs_seconds") or [r["seconds"]]) <= top]
 
 
 def agreement(row: dict, reference: dict) -> float:
@@ -191,14 +210,20 @@ def markdown(report: dict) -> str:
              f"({report['auto']['why']})", "",
              f"**reference (`generate`) {report['baseline_seconds']} s, auto (`{report['auto']['variant']}`) "
              f"{report['seconds']} s: speedup {report['speedup']}x, greedy agreement {report['greedy_agreement']}**",
-             "", "| variant | attention | seconds (base + adapter) | tokens/s | first result s | peak MiB | "
-             "exact match base / adapter | agreement with reference | speedup |", "|---|---|---|---|---|---|---|---|---|"]
+             "", f"Fastest by median of {report['shape'].get('repeats', 1)} run(s): "
+             f"`{report['auto'].get('fastest_variant')}`; within its spread (a tie): "
+             f"{', '.join(f'`{v}`' for v in report['auto'].get('tied_with_fastest', [])) or '-'}; auto's choice "
+             f"is {'the fastest or tied with it' if report['auto'].get('auto_is_fastest_or_tied') else 'SLOWER'}.",
+             "", "| variant | attention | seconds (base + adapter, median) | runs s | tokens/s | first result s | "
+             "peak MiB | exact match base / adapter | agreement with reference | speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r.get('attention', '')} | failed: {r['error'][:120]} | | | | | | |")
+            lines.append(f"| {r['variant']} | {r.get('attention', '')} | failed: {r['error'][:120]} | | | | | | | |")
             continue
         tps = round((r["base"]["generated_tokens"] + r["adapter"]["generated_tokens"]) / max(r["seconds"], 1e-9), 1)
-        lines.append(f"| {r['variant']} | {r['attention']} | {r['seconds']} | {tps} | "
+        runs = ", ".join(map(str, r.get("runs_seconds", [r["seconds"]])))
+        lines.append(f"| {r['variant']} | {r['attention']} | {r['seconds']} | {runs} | {tps} | "
                      f"{r['base']['first_result_seconds']} / {r['adapter']['first_result_seconds']} | "
                      f"{max(r['base']['peak_memory_mib'], r['adapter']['peak_memory_mib'])} | "
                      f"{r['base']['exact_match']} / {r['adapter']['exact_match']} | {r['agreement']} | "
@@ -238,6 +263,8 @@ def main() -> int:
                         "continuous-graphs")
     parser.add_argument("--backends", default=None, help="comma list of attention backends (default: those `auto` "
                         "considers that are usable here; add flex_attention or a Hub kernel id by name)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs of each fast variant, median "
+                        "reported (default 3 on a GPU, 1 on the CPU); the reference engine runs once")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--work", default=None, help="work directory (default /tmp/finetune-flows-eval-bench-<model>)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -267,6 +294,7 @@ def main() -> int:
     args.history = args.history if args.history is not None else (12 if gpu else 6)
     args.train_steps = args.train_steps or (60 if gpu else 120)
     args.learning_rate = args.learning_rate or (1e-3 if gpu else 5e-3)
+    args.repeats = args.repeats or (3 if gpu else 1)
     work = Path(args.work or f"/tmp/finetune-flows-eval-bench-{args.model.split(':')[-1]}")
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -320,7 +348,8 @@ def main() -> int:
                 continue
             label = name if backend == "sdpa" else f"{name}[{backend}]"
             try:
-                rows.append(run_variant(label, copy_model, engines[name], tokenizer, references, metric, device))
+                rows.append(run_variant(label, copy_model, engines[name], tokenizer, references, metric, device,
+                                        args.repeats))
             except Exception as exc:  # one failing variant must not lose the others' measurements
                 rows.append({"variant": label, "attention": backend, "error": f"{type(exc).__name__}: {exc}"[:500]})
                 print(f"  {label} FAILED: {exc}", flush=True)
@@ -341,8 +370,7 @@ def main() -> int:
     engine = choose_engine("auto", attention)
     auto_name = engine if attention == "sdpa" else f"{engine}[{attention}]"
     auto_row = next((r for r in rows if r["variant"] == auto_name and "error" not in r), None)
-    measured = [r for r in rows if "error" not in r and r["variant"] != "generate"]
-    fastest = min(measured, key=lambda r: r["seconds"])["variant"] if measured else None
+    fastest, ties = fastest_and_ties(rows)
 
     n_gpu = torch.cuda.device_count() if gpu else 0
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -356,7 +384,7 @@ def main() -> int:
                   "prompt_tokens_min_mean_max": [min(map(len, ids)), round(sum(map(len, ids)) / len(ids), 1),
                                                  max(map(len, ids))],
                   "train_steps": args.train_steps, "learning_rate": args.learning_rate,
-                  "baseline_batch": args.baseline_batch,
+                  "baseline_batch": args.baseline_batch, "repeats": args.repeats,
                   "batch_tokens": batch_tokens, "dtype": plan.compute_dtype,
                   "eval_dtype": str(copy_model.dtype).removeprefix("torch.")},
         "cpu": {"torch_threads": torch.get_num_threads(), "cores": os.cpu_count(),
@@ -371,7 +399,8 @@ def main() -> int:
                         "auto": [auto_row["base"]["exact_match"], auto_row["adapter"]["exact_match"]] if auto_row
                         else None},
         "auto": {"engine": engine, "attention": attention, "why": why, "variant": auto_name,
-                 "fastest_variant": fastest},
+                 "fastest_variant": fastest, "tied_with_fastest": ties,
+                 "auto_is_fastest_or_tied": auto_name in ties},
         "attention_probe": [t.model_dump() for t in probe],
         "rows": rows,
     }
