@@ -284,6 +284,13 @@ class Bench:
         ids = self.gpu_ids[:gpus]
         sel = selection_for(",".join(map(str, ids)) if ids else "cpu", self.env.gpus)
         plan = resolve_plan(cfg, self.env, sel)
+        if "auto" in cfg.attention_settings().values():  # the backend the pipeline's own probe picks (cached)
+            from tasks.backends import measured_timings
+
+            timings = measured_timings(cfg, self.env.attention, self.env.versions, sel, plan.precision,
+                                       plan.compute_dtype, self.state / "work" / shape)
+            plan = resolve_plan(cfg, self.env, sel, timings) if timings else plan
+        print(f"[{label}-{shape}] training attention {plan.train_attn}: {plan.attention_choice['train']}", flush=True)
         name = f"{label}-{shape}"
         out = self.state / "out" / name
         if out.exists():
@@ -306,6 +313,7 @@ class Bench:
         result = json.loads((out / "train_metrics.json").read_text())
         result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids[:1], out / "eval.log")
         result["overrides"] = overrides
+        result["attention_choice"] = f"{plan.train_attn}: {plan.attention_choice['train']}"
         result["grad_norms"] = logged(out / "train.log", "grad_norm")
         if (out / "profile.json").is_file():
             result["profile"] = json.loads((out / "profile.json").read_text())
@@ -341,6 +349,7 @@ class Bench:
             "mfu": mfu, "eval_loss": round(r["eval_loss"], 4), "final_train_loss": r["loss_curve"][-1][1],
             "loss_curve": r["loss_curve"], "grad_norms": r.get("grad_norms", []),
             "layout": r.get("layout", ""), "overrides": r.get("overrides", []),
+            "attention_choice": r.get("attention_choice"),
             "training_plan": r.get("training_plan"), "profile": r.get("profile"),
             "flops_per_token": mshape.flops_per_token(stats["mean_length"]),
         }

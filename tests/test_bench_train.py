@@ -29,6 +29,7 @@ def test_training_benchmark_smoke_run_writes_the_report(tmp_path):
     assert abs(report["eval_loss_relative_to_seed"]["tiny-llama"]) < 0.05
     ours = next(r for r in report["runs"] if r["name"] == "ours-tiny-llama")
     assert ours["layout"].startswith("packed") and ours["training_plan"]["packing"]
+    assert ours["attention_choice"] == "sdpa: CPU"  # the pipeline's own choice, as a flow run makes it
     assert 0 < ours["loss_curve"][-1][0] <= ours["steps"] and ours["grad_norms"] and ours["grad_norms"][0][1] > 0
     assert "| seed-tiny-llama |" in (out / "report.md").read_text()
 
