@@ -284,9 +284,31 @@ def rank_record(workdir: Path, rank: int | str | None) -> Iterator[None]:
         remove_record_if_mine(record)
 
 
+# bitsandbytes >= 0.49 on a CPU with AVX512-BF16 tries, when it is imported, to fetch an optional 4-bit matmul kernel
+# from the Hub and, when it cannot (always, offline), warns "Failed to load CPU gemm_4bit_forward ... Please make sure
+# you already `pip install kernels`" in every worker, then uses its own CPU path. Nothing is wrong and nothing is
+# missing: the workers say so in one INFO line instead.
+BNB_HUB_KERNEL = "kernels-community/quantization-bitsandbytes"
+
+
+class _OptionalHubKernelNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"):
+            reason = str(record.args[0]).split(".")[0] if record.args else "unavailable"
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = ("bitsandbytes: optional CPU kernel %s not loaded (%s); using its built-in CPU "
+                                       "path", (BNB_HUB_KERNEL, reason))
+        return True
+
+
+def quiet_optional_hub_kernel_warning() -> None:
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalHubKernelNote())
+
+
 def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
     """Entry point body for `python -m tasks.X job.json`: run fn(job), write its result or report why it failed."""
     die_with_launcher()
+    quiet_optional_hub_kernel_warning()
     job = json.loads(Path(sys.argv[1]).read_text())
     workdir = Path(job["workdir"])
     step = job["step"]

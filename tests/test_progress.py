@@ -161,6 +161,31 @@ def test_cli_run_without_a_terminal_logs_each_logging_step_once(shared_cache, tm
     assert "\r" not in out and not LIVE_LINE.search(out)
     assert [int(s) for s in re.findall(r"step (\d+)/6 loss", out)] == [1, 2, 4, 6], out[-4000:]
     assert "{'loss'" not in out and "concurrency limit" not in out
+    # bitsandbytes' offline miss of its optional Hub CPU kernel (CPUs with AVX512-BF16, like this one) is one INFO
+    # line per worker, not a warning that tells the user to install what is installed
+    assert "Failed to load CPU gemm_4bit_forward" not in out and "pip install kernels" not in out
+
+
+def test_bitsandbytes_optional_hub_kernel_miss_is_said_as_info_with_its_reason():
+    import logging
+
+    from tasks.launcher import quiet_optional_hub_kernel_warning
+
+    quiet_optional_hub_kernel_warning()
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    record = logger.makeRecord(logger.name, logging.WARNING, "ops.py", 252, "Failed to load CPU gemm_4bit_forward from "
+                               "kernels-community: %s. Please make sure you already `pip install kernels` and the "
+                               "kernels >= 0.11.1", ("Kernel repository could not verify publisher trust status.",),
+                               None)
+    for f in logger.filters:
+        f.filter(record)
+    assert record.levelno == logging.INFO and record.getMessage() == (
+        "bitsandbytes: optional CPU kernel kernels-community/quantization-bitsandbytes not loaded (Kernel repository "
+        "could not verify publisher trust status); using its built-in CPU path")
+    other = logger.makeRecord(logger.name, logging.WARNING, "ops.py", 1, "something else", (), None)
+    for f in logger.filters:
+        f.filter(other)
+    assert other.levelno == logging.WARNING and other.getMessage() == "something else"  # nothing else is touched
 
 
 def test_a_missing_device_limit_is_said_once_at_info_level(prefect_server, caplog, monkeypatch):
