@@ -245,8 +245,8 @@ def _time(fn, device, repeats: int = 5) -> float:
 
 
 def packed_layouts(count: int, budget: int = 8192, seed: int = 0) -> list[list[int]]:
-    """`count` packings of row lengths as training sees them (lognormal, median 256, 32..1024), each filling about
-    `budget` tokens: the cumulative boundaries (cu_seqlens) of one packed micro-batch per layout."""
+    """`count` packings of row lengths as training sees them (lognormal, median 256, 32..1024), each exactly
+    `budget` tokens (its last row cut to fit): the cumulative boundaries (cu_seqlens) of one packed micro-batch."""
     import math
     import random
 
