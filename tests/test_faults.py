@@ -122,11 +122,13 @@ def test_full_disk_while_saving_a_checkpoint_is_one_clear_error_and_loses_nothin
 @pytest.mark.gpu
 @pytest.mark.skipif(not read_inventory(), reason="needs an NVIDIA GPU (NVML finds none)")
 def test_absurd_micro_batch_on_a_gpu_runs_out_of_memory_adapts_and_finishes(prefect_server, gpu_cache, tmp_path):
-    """~130k tokens in one packed micro-batch of a Qwen3-0.6B-shaped model, without checkpointing or Liger: its
-    logits alone (150k vocabulary) need ~190 GB, so CUDA runs out of memory until the micro-batch is cut."""
+    """64k tokens in one packed micro-batch of a Qwen3-0.6B-shaped model, without checkpointing or Liger: its
+    logits (150k vocabulary) and their gradients do not fit an H200, so CUDA runs out of memory until the
+    micro-batch is cut. Seen on an H200: 64k-token pieces ran out of memory (37 GiB asked with 134 GiB in use),
+    32k-token pieces trained; starting at 64k makes that one adaptation, not two (each costs a worker start)."""
     result = finetune(None, [
         "model.source=generated:qwen3-0.6b", "hardware.gpus=auto:1", "data.builtin_examples=3400",
-        "data.max_length=128", "train.per_device_batch_size=1700", "train.micro_batch_tokens=131072",
+        "data.max_length=128", "train.per_device_batch_size=1700", "train.micro_batch_tokens=65536",
         "train.gradient_checkpointing=false", "train.liger_kernel=false", "train.max_steps=2", "train.save_steps=1",
         "train.logging_steps=1", "train.retries=0", "eval.max_samples=4", "eval.batch_size=4",
         f"run.cache_dir={gpu_cache}", f"run.output_dir={tmp_path / 'runs'}"])
