@@ -342,6 +342,11 @@ class Bench:
             "tokens_per_second": steady, "tokens_per_second_min": r["steady_state"]["min"],
             "tokens_per_second_max": r["steady_state"]["max"], "windows": r["steady_state"]["windows"],
             "whole_run_tokens_per_second": r["tokens_per_second"], "train_tokens": r["train_tokens"],
+            "train_seconds": r.get("train_seconds"),
+            # what the run took beyond its steady rate: warm-up, compilation, checkpoint saves (the seconds a short
+            # run pays whatever its length; compilation pays for itself only past some number of tokens)
+            "warmup_overhead_seconds": None if not (steady and r.get("train_seconds")) else
+            round(r["train_seconds"] - r["train_tokens"] / steady, 1),
             "steps": r["steps"], "peak_reserved_gib": None if r.get("peak_memory_mb") is None else
             round(r["peak_memory_mb"] / 1024, 2),
             "peak_allocated_gib": None if r.get("peak_allocated_mb") is None else round(r["peak_allocated_mb"] / 1024, 2),
@@ -415,11 +420,12 @@ def markdown(rep: dict) -> str:
         lines.append(f"- workload `{name}`: {w['rows']} rows, lengths median {w['median_length']}, mean "
                      f"{w['mean_length']}, {w['min_length']}..{w['max_length']}; {w['tokens']} tokens")
     lines += ["", "| run | GPUs | tokens/s (steady, median) | min..max | MFU | peak reserved GiB | nvidia-smi GiB | "
-              "eval loss | layout |", "|---|---|---|---|---|---|---|---|---|"]
+              "eval loss | run s (beyond steady) | layout |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["runs"]:
         lines.append(f"| {r['name']} | {r['gpus']} | {r['tokens_per_second']} | {r['tokens_per_second_min']}.."
                      f"{r['tokens_per_second_max']} | {r['mfu']} | {r['peak_reserved_gib']} | "
-                     f"{r['nvidia_smi_peak_gib']} | {r['eval_loss']} | {_layout(r)} |")
+                     f"{r['nvidia_smi_peak_gib']} | {r['eval_loss']} | {r.get('train_seconds')} "
+                     f"({r.get('warmup_overhead_seconds')}) | {_layout(r)} |")
     lines += ["", "## Speedup (ours / seed, steady-state real tokens/s)", ""]
     lines += [f"- {k}: {v}" for k, v in rep["speedup"].items()]
     lines += ["", "## Eval loss of ours relative to the seed (same steps and effective batch)", ""]

@@ -30,6 +30,9 @@ def test_training_benchmark_smoke_run_writes_the_report(tmp_path):
     ours = next(r for r in report["runs"] if r["name"] == "ours-tiny-llama")
     assert ours["layout"].startswith("packed") and ours["training_plan"]["packing"]
     assert ours["attention_choice"] == "sdpa: CPU"  # the pipeline's own choice, as a flow run makes it
+    for run in report["runs"]:  # the whole run's seconds, and what it took beyond its steady rate
+        assert run["train_seconds"] > 0 and isinstance(run["warmup_overhead_seconds"], float)
+        assert run["warmup_overhead_seconds"] < run["train_seconds"]
     assert 0 < ours["loss_curve"][-1][0] <= ours["steps"] and ours["grad_norms"] and ours["grad_norms"][0][1] > 0
     assert "| seed-tiny-llama |" in (out / "report.md").read_text()
 
