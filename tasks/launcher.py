@@ -286,8 +286,8 @@ def rank_record(workdir: Path, rank: int | str | None) -> Iterator[None]:
 
 # bitsandbytes >= 0.49 on a CPU with AVX512-BF16 tries, when it is imported, to fetch an optional 4-bit matmul kernel
 # from the Hub and, when it cannot (always, offline), warns "Failed to load CPU gemm_4bit_forward ... Please make sure
-# you already `pip install kernels`" in every worker, then uses its own CPU path. Nothing is wrong and nothing is
-# missing: the workers say so in one INFO line instead.
+# you already `pip install kernels`" in every worker, then uses its own CPU path; offline, `kernels` first warns that it
+# skips the repo's publisher trust check. Nothing is wrong and nothing is missing: the workers say so in one INFO line.
 BNB_HUB_KERNEL = "kernels-community/quantization-bitsandbytes"
 
 
@@ -301,8 +301,14 @@ class _OptionalHubKernelNote(logging.Filter):
         return True
 
 
+class _TrustCheckOfOptionalKernel(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:  # the INFO line above says what happened
+        return not (record.levelno == logging.WARNING and BNB_HUB_KERNEL in record.getMessage())
+
+
 def quiet_optional_hub_kernel_warning() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalHubKernelNote())
+    logging.getLogger("kernels.hf_hub").addFilter(_TrustCheckOfOptionalKernel())
 
 
 def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
