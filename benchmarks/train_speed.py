@@ -274,7 +274,7 @@ class Bench:
     def run_ours(self, shape: str, data: Path, stats: dict, label: str, gpus: int, overrides: list[str],
                  profile: bool) -> None:
         from tasks.dataset import PreparedDataset
-        from tasks.environment import resolve_plan
+        from tasks.environment import measured_plan
         from tasks.gpus import selection_for
         from tasks.launcher import run_worker, torchrun_module, write_job
         from tasks.train import liger_setting, training_plan, upcast_setting
@@ -283,13 +283,7 @@ class Bench:
         cfg = self.config(shape, overrides)
         ids = self.gpu_ids[:gpus]
         sel = selection_for(",".join(map(str, ids)) if ids else "cpu", self.env.gpus)
-        plan = resolve_plan(cfg, self.env, sel)
-        if "auto" in cfg.attention_settings().values():  # the backend the pipeline's own probe picks (cached)
-            from tasks.backends import measured_timings
-
-            timings = measured_timings(cfg, self.env.attention, self.env.versions, sel, plan.precision,
-                                       plan.compute_dtype, self.state / "work" / shape)
-            plan = resolve_plan(cfg, self.env, sel, timings) if timings else plan
+        plan, _ = measured_plan(cfg, self.env, sel, self.state / "work" / shape)  # as a flow run plans it
         print(f"[{label}-{shape}] training attention {plan.train_attn}: {plan.attention_choice['train']}", flush=True)
         name = f"{label}-{shape}"
         out = self.state / "out" / name

@@ -292,6 +292,22 @@ def run_probe(workdir: Path, kernels: dict[str, str] | None = None, cache: Path 
     return report
 
 
+def measured_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSelection,
+                  workdir: Path) -> tuple[Plan, list[BackendTiming] | None]:
+    """The plan, with `auto` attention settled by the usable backends' timings on the selected GPUs (measured in
+    a worker, or from the cache), and those timings (None when nothing was measured)."""
+    plan = resolve_plan(cfg, env, selection)
+    if "auto" not in cfg.attention_settings().values():
+        return plan, None
+    try:
+        timings = measured_timings(cfg, env.attention, env.versions, selection, plan.precision, plan.compute_dtype,
+                                   workdir)
+    except WorkerFailed as exc:  # a probe that crashes outright must not stop the run: sdpa is always there
+        run_logger().warning("attention probe failed, evaluating and training with sdpa: %s", exc)
+        return plan, None
+    return (resolve_plan(cfg, env, selection, timings), timings) if timings else (plan, None)
+
+
 @task(name="verify-environment", task_run_name="verify-environment[gpus={cfg.hardware.gpus}]", tags=["setup"],
       persist_result=False, cache_policy=NO_CACHE)  # no result store: nothing pickled is ever read back
 def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentReport, Plan]:
@@ -302,17 +318,9 @@ def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentR
             run_logger().warning("hardware.kernels %s: %s", layer, status)
     # the one reading of the GPUs: select_gpus computes the workers' selection from this same inventory
     selection = selection_for(cfg.hardware.gpus, env.gpus)  # names a missing or unusable GPU
-    plan = resolve_plan(cfg, env, selection)
-    if "auto" in cfg.attention_settings().values():  # measure the usable backends on these GPUs (cached)
-        try:
-            timings = measured_timings(cfg, env.attention, env.versions, selection, plan.precision,
-                                       plan.compute_dtype, run_dir / "work")
-        except WorkerFailed as exc:  # a probe that crashes outright must not stop the run: sdpa is always there
-            run_logger().warning("attention probe failed, evaluating and training with sdpa: %s", exc)
-            timings = None
-        if timings:
-            plan = resolve_plan(cfg, env, selection, timings)
-            env = env.model_copy(update={"attention_timings": timings})
+    plan, timings = measured_plan(cfg, env, selection, run_dir / "work")
+    if timings:
+        env = env.model_copy(update={"attention_timings": timings})
     from tasks.distributed import plan_problems  # imports this module
 
     if problems := plan_problems(cfg, plan):
