@@ -52,10 +52,11 @@ run: setup
 
 # Three pytest-xdist workers on two cores (a test file stays on one worker: its module fixtures are shared; much of
 # the suite waits on servers and child processes, so a third worker fills idle cores: 21.3 min vs 23.5 with two).
-# TEST_WORKERS=0 runs serially. The slowest 20 tests are listed at the end: the suite has to stay under 25 minutes.
+# Files start longest first (tests/conftest.py LONGEST_FIRST; --no-loadscope-reorder keeps that order). TEST_WORKERS=0
+# runs serially. The slowest 20 tests and 15 files are listed at the end: the suite has to stay under 25 minutes.
 TEST_WORKERS ?= 3
 test: setup test-deps
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=20 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=20 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # GPU hosts: GPU_PY=python3 runs with an interpreter that already has the stack (e.g. an offline GPU image)
 # instead of setting up .venv.

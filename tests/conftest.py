@@ -25,6 +25,47 @@ os.environ.setdefault("FINETUNE_FLOWS_TEST_CACHE", str(_SESSION_TMP / "cache"))
 REPO = Path(__file__).resolve().parent.parent
 
 
+def child_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment for a child Python started by a test: ours (or `base`), this checkout first on PYTHONPATH and
+    whatever was there kept (a GPU image carries its wheels in a directory on PYTHONPATH), the Hub offline."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["HF_HUB_OFFLINE"] = "1"
+    env.update(extra)
+    return env
+
+# `make test` spreads whole files over pytest-xdist workers (--dist loadfile) in collection order; with
+# --no-loadscope-reorder xdist keeps that order instead of sorting files by their number of tests, which sent the
+# few-test, minutes-long integration files last, so one worker ran them alone at the end. These files start first,
+# longest first (seconds on one worker in a fresh-clone `make test`, as the "slowest files" summary below prints
+# them); the others follow in their usual order and fill the workers in at the end.
+LONGEST_FIRST = [
+    "test_scale_ray.py", "test_pipeline.py", "test_faults_stack.py", "test_faults_store.py", "test_deployments.py",
+    "test_policy_deployments.py", "test_faults.py", "test_faults_signals.py", "test_bench_eval.py",
+    "test_bench_train.py", "test_plots_ui.py", "test_scale_out.py", "test_progress.py", "test_honest_numbers.py",
+]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Seconds per test file (setup + call + teardown, one worker's time): what LONGEST_FIRST is ordered by."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(getattr(report, "duration", None), float) and getattr(report, "nodeid", ""):
+                name = report.nodeid.split("::")[0]
+                per_file[name] = per_file.get(name, 0.0) + report.duration
+    if len(per_file) > 1:
+        slowest = sorted(per_file.items(), key=lambda kv: -kv[1])[:15]
+        terminalreporter.write_sep("=", "slowest files (seconds on one worker)")
+        for name, seconds in slowest:
+            terminalreporter.write_line(f"{seconds:8.1f}s  {name}")
+
+
 def load_benchmark(name: str):
     """benchmarks/<name>.py (a script, not a package module) loaded as a module."""
     import importlib.util

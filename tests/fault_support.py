@@ -4,13 +4,12 @@ start and watch a CLI run from outside."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from conftest import tiny_overrides
+from conftest import child_env, tiny_overrides
 from tasks.processes import ProcessId, read_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +22,7 @@ def overrides(cache, runs, **extra):
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **extra}
+    return child_env(**extra)
 
 
 def start_cli(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -34,10 +33,17 @@ def start_cli(args: list[str], env: dict[str, str], log: Path) -> subprocess.Pop
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
-def training_in_progress(cache: Path, seed: int, min_step: int, timeout: float = 600) -> tuple[Path, ProcessId]:
-    """The adapter directory of the run trained with `seed`, once its rank 0 runs and has passed min_step."""
+def training_in_progress(cache: Path, seed: int, min_step: int, timeout: float = 600,
+                         run: subprocess.Popen | None = None, log: Path | None = None) -> tuple[Path, ProcessId]:
+    """The adapter directory of the run trained with `seed`, once its rank 0 runs and has passed min_step. With
+    `run` (the CLI process) and its `log`, a run that ends first fails at once with the log's end, instead of after
+    `timeout` (a CLI that could not even import its stack once cost a GPU tier its whole device call)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if run is not None and run.poll() is not None:
+            tail = log.read_text()[-3000:] if log else ""
+            raise AssertionError(f"the run exited ({run.returncode}) before training with seed {seed} reached step "
+                                 f"{min_step}:\n{tail}")
         for job in cache.glob("adapters/*/train.job.json"):
             out = job.parent
             try:

@@ -54,7 +54,7 @@ def stop_a_cli_run(cache: Path, tmp_path: Path, sig: int, slots: list[str], seed
                                                   "train.seed": seed, "hardware.stop_grace_seconds": 30, **extra})
     proc = start_cli(args, cli_env(PREFECT_API_URL=PREFECT_API_URL.value(), **(env or {})), tmp_path / "cli.log")
     try:
-        out, rank = training_in_progress(cache, seed, min_step=3)
+        out, rank = training_in_progress(cache, seed, min_step=3, run=proc, log=tmp_path / "cli.log")
         members = tree(proc.pid)  # the flow process, torchrun, the ranks
         assert rank in members and len(members) >= 3, members
         assert sum(device_slot(n).active_slots for n in slots) >= 1

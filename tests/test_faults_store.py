@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, tiny_overrides
+from conftest import REPO, child_env, tiny_overrides
 from flows.finetune import finetune
 
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ def test_four_identical_runs_started_at_once_train_once_and_all_finish(prefect_s
     """Four CLI processes on one server and one cache: one producer per entry, the others wait and reuse."""
     from prefect.settings import PREFECT_API_URL
 
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
+    env = child_env(PREFECT_API_URL=PREFECT_API_URL.value())
     argv = [sys.executable, "flows/finetune.py"]
     for override in tiny_overrides(tmp_path / "cache", tmp_path / "runs", **{"hardware.gpus": "cpu"}):
         argv += ["--set", override]

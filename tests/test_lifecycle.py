@@ -7,7 +7,6 @@ PID is never trusted without its start time, and that the reason a worker failed
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import child_env
 from tasks.errors import UserInputError, WorkerFailed, WorkerOOM
 from tasks.launcher import python_module, run_worker, torchrun_module, write_job
 from tasks.processes import ProcessId, read_record, remove_stale_records, write_record
@@ -106,7 +106,7 @@ def test_workers_die_with_an_orchestrator_killed_by_sigkill(tmp_path):
               f"run_worker('evaluate', python_module('tests.fault_worker', Path({str(job)!r})), {{}}, "
               f"Path({str(tmp_path)!r}))")
     orchestrator = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT,
-                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                    env=child_env())
     try:
         worker = wait_for(tmp_path / "evaluate.self.pid")
         child = wait_for(tmp_path / "child.self.pid")
@@ -128,7 +128,7 @@ def test_a_worker_whose_orchestrator_is_gone_exits_at_once(tmp_path):
     ident = ProcessId.of(dead.pid)
     dead.wait()
     job = write_job(tmp_path, "probe", do="sleep")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FINETUNE_FLOWS_LAUNCHER": str(ident or f"{dead.pid} 1")}
+    env = child_env(FINETUNE_FLOWS_LAUNCHER=str(ident or f"{dead.pid} 1"))
     done = subprocess.run([sys.executable, "-m", "tests.fault_worker", str(job)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "orchestrator that started this worker is gone" in done.stderr

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import child_env
 from tasks.config import load_config
 from tasks.errors import ConfigError, DataError, UserInputError
 from tasks.preflight import check_lora_targets, check_utf8, preflight
@@ -22,8 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env = child_env(env, PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     return subprocess.run([sys.executable, "flows/finetune.py", "--set", "model.source=generated:tiny-llama",
                            "--set", f"run.output_dir={tmp_path / 'runs'}", "--set", f"run.cache_dir={tmp_path / 'c'}",
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, tiny_overrides
+from conftest import REPO, child_env, tiny_overrides
 from flows.finetune import finetune
 from tasks.config import load_config
 from tasks.distributed import agreed_checkpoint, fingerprint_parts, torchrun_command, train_command
@@ -188,8 +188,7 @@ def test_two_torchrun_nodes_on_localhost_match_two_ranks_on_one_host(two_rank_re
     endpoint = f"127.0.0.1:{free_port()}"
     # one thread per rank, as torchrun sets for the 2-rank reference (another thread count sums in another order);
     # gloo on the loopback interface
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           "GLOO_SOCKET_IFNAME": "lo"}
+    env = child_env(PREFECT_API_URL=PREFECT_API_URL.value(), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     procs = [subprocess.Popen(
         [sys.executable, "flows/finetune.py", f"--config={defaults}", *[f"--set={o}" for o in tiny_overrides(
             cache, tmp_path / f"runs{i}", **{"hardware.nodes": 2, "hardware.rdzv_endpoint": endpoint})]],
