@@ -177,8 +177,9 @@ class HardwareConfig(Section):
         description=(
             "Attention backend for training and evaluation: `auto` (measured: of sdpa and flash_attention_2/3/4, the "
             "fastest that is installed and correct on the selected GPUs, chosen separately for training and "
-            "evaluation by a short cached probe against sdpa (training on its own path: packed varlen or padded); "
-            "another backend must beat sdpa by more than 5%; sdpa on the CPU), one of " + ", ".join(ATTENTION_BACKENDS)
+            "evaluation by a short cached probe against sdpa (training on its own path: packed varlen or padded; "
+            "packed through compiled layers only torch's traced varlen kernel, i.e. sdpa); another backend must beat "
+            "sdpa by more than 5%; sdpa on the CPU), one of " + ", ".join(ATTENTION_BACKENDS)
             + ", or a Hub kernel repo `org/repo` (needs the `kernels` package, and the Hub or a local copy "
             "under LOCAL_KERNELS)."
         ),

@@ -200,7 +200,16 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
     strategy, choice = resolve_strategy(cfg, on_gpu=on_gpu, ranks=world_size(cfg, plan),
                                         free_mib=min((g.memory_free_mib for g in gpus), default=None),
                                         dtype_bytes=4 if compute == "float32" else 2)
-    return plan.model_copy(update={"strategy": strategy, "strategy_choice": choice})
+    plan = plan.model_copy(update={"strategy": strategy, "strategy_choice": choice})
+    from tasks.train import compile_setting  # imports this module
+
+    if cfg.hardware.attn_implementation == "auto" and cfg.train.packing and compile_setting(cfg, plan):
+        # the strategy decides whether training compiles its layers, which limits packed training's kernels
+        train_attn, _, why, _ = resolve_attention("auto", env.attention, gpus, p, env.hub_reachable, timings,
+                                                  packed=True, compiled=True)
+        plan = plan.model_copy(update={"train_attn": train_attn,
+                                       "attention_choice": {**plan.attention_choice, "train": why["train"]}})
+    return plan
 
 
 def report_markdown(env: EnvironmentReport, plan: Plan | None = None) -> str:
