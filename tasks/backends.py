@@ -254,14 +254,22 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device, repeats: int = 5) -> float:
+def _time(fn, device, repeats: int = 5, windows: int = 5) -> float:
+    """ms per call: the median of `windows` timed windows of `repeats` calls, after one warm-up call. One window
+    was too noisy to rank backends by: two probes on one H200 had FA4's eval forward 10% ahead of sdpa's and 3%
+    behind (gpu-proof-1xGPU-20261201-174042, eval-bench-1xGPU-20261201-174014)."""
+    import statistics
+
     fn()
     _sync(device)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - started) / repeats * 1000
+    per_window = []
+    for _ in range(windows):
+        started = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        _sync(device)
+        per_window.append((time.perf_counter() - started) / repeats * 1000)
+    return statistics.median(per_window)
 
 
 def packed_layouts(count: int, budget: int = 8192, seed: int = 0) -> list[list[int]]:
