@@ -65,6 +65,7 @@ def test_worker_env_never_touches_our_own_environment():
     before = dict(os.environ)
     env = worker_env(selection_for("1,0", FOUR).env)
     assert env["CUDA_VISIBLE_DEVICES"] == "1,0"
+    assert env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"  # FA4 compiles once per host, not per worker
     assert dict(os.environ) == before
 
 
