@@ -12,6 +12,7 @@ import json
 import os
 import random
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -40,8 +41,9 @@ def test_rank_sigkilled_at_a_random_step_resumes_to_the_same_final_step(prefect_
     step, victim = rng.randint(2, 7), rng.randrange(ranks)
     marker = tmp_path / "killed"
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"sigkill_at_step": step, "sigkill_rank": victim, "once": str(marker)}))
+    # save_total_limit=2: the checkpoint the retry resumes from is rotated out as training goes on (saves every 2 steps)
     result = finetune(None, overrides(cache, tmp_path / "runs", **{
-        "train.seed": 100 + seed, "train.retries": 1, "hardware.cpu_processes": ranks}))
+        "train.seed": 100 + seed, "train.retries": 1, "hardware.cpu_processes": ranks, "train.save_total_limit": 2}))
     assert marker.exists(), "the rank was never killed"
     train = result.train
     checkpoint = 2 * ((step - 1) // 2) or None  # the last one saved before the step the rank died in
@@ -50,6 +52,9 @@ def test_rank_sigkilled_at_a_random_step_resumes_to_the_same_final_step(prefect_
     assert [a["outcome"] for a in train.attempts] == ["crashed", "completed"]
     assert train.attempts[0]["error"] == "killed by SIGKILL"
     assert train.loss_curve[-1][0] == 8
+    log = (Path(train.output_dir) / "train.log").read_text()
+    assert f"resuming from checkpoint-{checkpoint}" in log and f"trained 8 steps on {ranks} cpu rank(s)" in log
+    assert train.world_size == ranks and train.backend == "gloo"
     print(f"FAULT SIGKILL seed {seed}: rank {victim} of {ranks} killed before step {step}, resumed from step "
           f"{checkpoint}, finished {train.steps} steps")
 

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import kill_rank_after_checkpoint, tiny_overrides
+from conftest import tiny_overrides
 from flows.finetune import finetune, main
 from tasks.errors import DataError
 from tasks.summary import render_summary
-from tasks.train_worker import CHECKPOINT_MANIFEST
 
 pytestmark = pytest.mark.slow
 
@@ -103,35 +102,6 @@ def test_deleted_cache_outputs_are_rebuilt_not_trusted(first_run, shared_cache):
     shutil.rmtree(Path(result.eval.path).parent)
     again = finetune(None, tiny_overrides(shared_cache / "pipeline", runs))
     assert "evaluate-adapter" not in again.cached_steps and Path(again.eval.path).is_file()
-
-
-def test_killed_training_resumes_from_its_checkpoint_on_retry(prefect_server, shared_cache, tmp_path):
-    """SIGKILL rank 0 after the first checkpoint; Prefect's retry must resume from it, not restart."""
-    overrides = tiny_overrides(shared_cache / "resume", tmp_path, **{
-        "train.max_steps": 30, "train.save_steps": 5, "train.logging_steps": 5, "train.retries": 1,
-        "train.save_total_limit": 2})  # the default: the resumed-from checkpoint is rotated out as training goes on
-    # like the OOM killer: torchrun sees its rank die and fails. It dies once a checkpoint is complete (its manifest
-    # is written last): killed in the middle of the first save (seen once, trainer_state.json already there), the
-    # retry rightly drops that checkpoint and starts over, which is test_faults.py's case, not this one
-    thread, killed = kill_rank_after_checkpoint(shared_cache / "resume" / "adapters", 0,
-                                                f"checkpoints/checkpoint-*/{CHECKPOINT_MANIFEST}")
-    result = finetune(None, overrides)
-    thread.join(timeout=5)
-    assert killed, "the training process was never killed"
-    train = result.train
-    assert train.resumed_from_step is not None and 5 <= train.resumed_from_step < 30
-    assert train.steps == 30
-    log = (Path(train.output_dir) / "train.log").read_text()
-    assert f"resuming from checkpoint-{train.resumed_from_step}" in log
-    assert [s for s, _ in train.loss_curve][-1] == 30
-
-
-def test_two_process_torchrun_on_cpu(prefect_server, shared_cache, tmp_path):
-    result = finetune(None, tiny_overrides(shared_cache / "ddp", tmp_path, **{"hardware.cpu_processes": 2}))
-    train = result.train
-    assert train.world_size == 2 and train.steps == 6
-    assert train.backend == "gloo" and train.rank_steps == [6, 6]  # DDP: both ranks took every step
-    assert "trained 6 steps on 2 cpu rank(s)" in (Path(train.output_dir) / "train.log").read_text()
 
 
 def test_bad_data_row_stops_before_any_model_is_loaded(prefect_server, shared_cache, tmp_path):

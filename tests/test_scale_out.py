@@ -174,6 +174,14 @@ def test_scale_out_benchmark_smoke_run_writes_the_report(shared_cache, tmp_path)
     assert len(run["param_mib_per_rank"]) == 2 and len(run["loss_curve"]) == 2
     assert "| fsdp | 2 | float32 |" in (out / "report.md").read_text()
 
+def test_two_process_torchrun_on_cpu(two_rank_reference):
+    """The single-host reference itself: 2 gloo ranks under torchrun, each taking every step (DDP)."""
+    train = two_rank_reference.train
+    assert train.world_size == 2 and train.steps == 6
+    assert train.backend == "gloo" and train.rank_steps == [6, 6]
+    assert "trained 6 steps on 2 cpu rank(s)" in (Path(train.output_dir) / "train.log").read_text()
+
+
 @pytest.mark.timeout(1200)
 def test_two_torchrun_nodes_on_localhost_match_two_ranks_on_one_host(two_rank_reference, shared_cache, tmp_path):
     """Two launchers (two flow processes, one rank each) meet at a c10d rendezvous on 127.0.0.1. Each "node" has
