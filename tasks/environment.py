@@ -272,16 +272,30 @@ def probe_key(kernels: dict[str, str] | None, gpus: list[GpuInfo]) -> str:
              "platform": platform.platform(), "versions": {d: _version(d) for d in STACK},
              "driver": _driver_version() if gpus else None, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
              "gpus": [(g.index, g.uuid, g.name, g.memory_total_mib, g.mig) for g in gpus],
-             "kernels": kernels or {}}
+             "kernels": kernels or {}, "local_kernels": os.environ.get("LOCAL_KERNELS", "") if kernels else ""}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
 
+# One directory of machine probes for every cache on this host (e.g. one cache per team or project), instead of
+# `<run.cache_dir>/environment-probes/`: a probe describes the machine and the interpreter, not a cache.
+PROBE_DIR_ENV = "FINETUNE_FLOWS_PROBE_DIR"
+
+
+def probe_dir(cache: Path | None) -> Path | None:
+    """Where probes are kept: $FINETUNE_FLOWS_PROBE_DIR, else `<cache>/environment-probes`; None: not kept."""
+    if cache is None:
+        return None
+    shared = os.environ.get(PROBE_DIR_ENV)
+    return Path(shared).expanduser() if shared else cache / "environment-probes"
+
+
 def run_probe(workdir: Path, kernels: dict[str, str] | None = None, cache: Path | None = None) -> EnvironmentReport:
-    """The probe's report: from `cache` when this interpreter, stack and machine were probed before (a child that
-    imports torch and bitsandbytes costs 5-20 s per run), else from a new child. The GPUs' free memory and the
-    Hub's reachability are read fresh either way."""
+    """The probe's report: from `cache` (probe_dir) when this interpreter, stack and machine were probed before (a
+    child that imports torch and bitsandbytes costs 5-20 s per run), else from a new child. The GPUs' free memory
+    and the Hub's reachability are read fresh either way."""
     gpus = read_inventory()
-    path = cache / "environment-probes" / f"{probe_key(kernels, gpus)}.json" if cache is not None else None
+    folder = probe_dir(cache)
+    path = folder / f"{probe_key(kernels, gpus)}.json" if folder is not None else None
     if path is not None and path.is_file():
         try:
             report = EnvironmentReport.model_validate_json(path.read_text())

@@ -21,6 +21,9 @@ os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
 # (`make test`) the controller sets it before it starts the workers, so they share one cache (each its own Prefect
 # home); the store's per-entry locks make concurrent use safe, as for concurrent runs.
 os.environ.setdefault("FINETUNE_FLOWS_TEST_CACHE", str(_SESSION_TMP / "cache"))
+# The machine probe (a child importing torch and bitsandbytes, ~8 s of CPU) once per session, not once per test cache:
+# every CLI, deployment and in-process run of the session reads it from here (tasks.environment.probe_dir).
+os.environ.setdefault("FINETUNE_FLOWS_PROBE_DIR", str(Path(os.environ["FINETUNE_FLOWS_TEST_CACHE"]) / "environment-probes"))
 
 REPO = Path(__file__).resolve().parent.parent
 

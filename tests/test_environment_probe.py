@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import json
 
-from tasks.environment import PROBE_FORMAT, EnvironmentReport, probe_key, run_probe
+import pytest
+
+from tasks.environment import PROBE_DIR_ENV, PROBE_FORMAT, EnvironmentReport, probe_key, run_probe
+
+
+@pytest.fixture(autouse=True)
+def probes_in_the_cache(monkeypatch):
+    monkeypatch.delenv(PROBE_DIR_ENV, raising=False)  # the default: <cache>/environment-probes
 
 
 def test_second_probe_is_reused_and_a_different_stack_probes_again(tmp_path, monkeypatch):
@@ -35,3 +42,21 @@ def test_an_unreadable_cached_probe_is_replaced(tmp_path):
     report = run_probe(tmp_path / "w", cache=cache)
     assert (tmp_path / "w" / "environment.job.json").is_file()
     assert json.loads(path.read_text())["torch"] == report.torch and PROBE_FORMAT >= 1
+
+
+def test_one_probe_directory_serves_every_cache_on_the_host(tmp_path, monkeypatch):
+    monkeypatch.setenv(PROBE_DIR_ENV, str(tmp_path / "probes"))
+    first = run_probe(tmp_path / "w1", cache=tmp_path / "cache-a")
+    again = run_probe(tmp_path / "w2", cache=tmp_path / "cache-b")
+    assert (tmp_path / "w1" / "environment.job.json").is_file() and not (tmp_path / "w2").exists()
+    assert again == first and len(list((tmp_path / "probes").iterdir())) == 1
+    assert not (tmp_path / "cache-a").exists() and not (tmp_path / "cache-b").exists()
+
+
+def test_local_kernels_is_part_of_the_key_when_kernels_are_configured(monkeypatch):
+    kernels = {"RMSNorm": "kernels-community/liger_kernels"}
+    monkeypatch.setenv("LOCAL_KERNELS", "kernels-community/liger_kernels=/a")
+    key = probe_key(kernels, [])
+    monkeypatch.setenv("LOCAL_KERNELS", "kernels-community/liger_kernels=/b")
+    assert probe_key(kernels, []) != key  # another local copy may load differently: probed anew
+    assert probe_key(None, []) == probe_key({}, [])  # without layer kernels LOCAL_KERNELS changes nothing
