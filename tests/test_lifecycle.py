@@ -7,6 +7,7 @@ PID is never trusted without its start time, and that the reason a worker failed
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -148,3 +149,16 @@ def test_a_pid_record_is_trusted_only_while_its_process_runs(tmp_path):
     assert read_record(record) is None
     remove_stale_records(tmp_path)
     assert not list(tmp_path.glob("*.pid"))
+
+
+def test_child_pythons_started_by_tests_keep_the_pythonpath_they_inherit(tmp_path):
+    """A GPU image carries its wheels on PYTHONPATH (a sitecustomize there adds them): a test's CLI run that replaced
+    PYTHONPATH with the checkout alone could not import its stack, and the GPU SIGTERM test waited 600 s for it."""
+    extra = tmp_path / "site"
+    extra.mkdir()
+    (extra / "sitecustomize.py").write_text("import os\nos.environ['CARRIED_SITE'] = 'yes'\n")
+    env = child_env(dict(os.environ, PYTHONPATH=str(extra)))
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), str(extra)]
+    seen = subprocess.run([sys.executable, "-c", "import os, tasks; print(os.environ.get('CARRIED_SITE'))"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert seen.returncode == 0 and seen.stdout.strip() == "yes", seen.stderr  # both the checkout and the carried site
