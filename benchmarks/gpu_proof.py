@@ -112,8 +112,8 @@ def flow_run(name: str, config: str | None, overrides: list[str], cache: Path, r
         "name": name, "overrides": overrides, "flow_seconds": round(seconds, 1), "run_dir": str(result.run_dir),
         "cached_steps": result.cached_steps, "step_seconds": result.step_seconds,
         "train": {k: getattr(t, k) for k in ("steps", "world_size", "backend", "devices", "rank_steps", "first_loss",
-                                             "final_loss", "tokens_per_second", "train_tokens", "train_seconds",
-                                             "peak_memory_mb")},
+                                             "final_loss", "tokens_per_second", "steady_tokens_per_second",
+                                             "train_tokens", "train_seconds", "peak_memory_mb", "layout")},
         "eval": {"attn_implementation": e.attn_implementation, "engine": e.engine, "metric": e.metric,
                  "table": e.table(),
                  "base_generate_seconds": e.base.generate_seconds,
@@ -165,14 +165,16 @@ def markdown(report: dict) -> str:
              "", "## GPU tests", "", f"{report['gpu_tests']['summary']} ({report['gpu_tests']['seconds']} s)", ""]
     lines += [f"- {line}" for line in report["gpu_tests"]["results"]]
     lines += ["", "## Flow runs (Prefect `finetune` flow, real workers)", "",
-              "| run | GPUs | ranks | backend | steps (per rank) | loss first -> final | tokens/s | peak MiB | "
+              "| run | GPUs | ranks | backend | steps (per rank) | loss first -> final | tokens/s whole run (steady) "
+              "| peak MiB | "
               "eval attention | flow s | seconds per step | cached steps |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["flow_runs"]:
         t = r["train"]
         lines.append(f"| {r['name']} | {next((o.split('=')[1] for o in r['overrides'] if o.startswith('hardware.gpus')), '')}"
                      f" | {t['world_size']} | {t['backend']} | {t['rank_steps']} | {t['first_loss']:.3f} -> "
-                     f"{t['final_loss']:.3f} | {t['tokens_per_second']} | {t['peak_memory_mb']} | "
+                     f"{t['final_loss']:.3f} | {t['tokens_per_second']} ({t.get('steady_tokens_per_second') or '-'}) | "
+                     f"{t['peak_memory_mb']} | "
                      f"{r['eval']['attn_implementation']} | {r['flow_seconds']} | "
                      f"{', '.join(f'{n} {s}' for n, s in r.get('step_seconds', {}).items()) or '-'} | "
                      f"{', '.join(r['cached_steps']) or '-'} |")

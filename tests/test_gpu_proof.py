@@ -120,3 +120,13 @@ def test_a_signal_to_gpu_proof_stops_its_flow_run_and_keeps_the_report(prefect_s
     assert "STOPPED by SIGTERM during 1gpu-auto-attn" in next((tmp_path / "out").glob("gpu-proof-*/report.md")
                                                                ).read_text()
     assert "gpu-proof stopped by SIGTERM" in log.read_text()
+
+
+def test_the_report_shows_whole_run_and_steady_tokens_per_second():
+    """A short compiled run's whole-run rate hides its steady one (60 steps on an H200: 562 tokens/s whole run, the
+    first step spent compiling): the flow-run table shows both. Rendered from a committed H200 report."""
+    proof = load_benchmark("gpu_proof")
+    report = json.loads((REPO / "benchmarks/results/gpu-proof-1xGPU-20261201-141724/report.json").read_text())
+    assert "| 562.4 (-) |" in proof.markdown(report)  # made before the steady rate was recorded
+    report["flow_runs"][0]["train"]["steady_tokens_per_second"] = 4055.0  # that run's steady rate (its log)
+    assert "| 562.4 (4055.0) |" in proof.markdown(report)
