@@ -37,6 +37,7 @@ def child_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str
     env.update(extra)
     return env
 
+
 # `make test` spreads whole files over pytest-xdist workers (--dist loadfile) in collection order; with
 # --no-loadscope-reorder xdist keeps that order instead of sorting files by their number of tests, which sent the
 # few-test, minutes-long integration files last, so one worker ran them alone at the end. These files start first,

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import child_env, tiny_overrides
+from conftest import tiny_overrides
 from tasks.processes import ProcessId, read_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,10 +19,6 @@ def overrides(cache, runs, **extra):
     """Short runs that checkpoint every 2 steps and evaluate on 4 rows; each test its own seed (its own adapter)."""
     return tiny_overrides(cache, runs, **{"train.max_steps": 8, "train.save_steps": 2, "train.save_total_limit": 10,
                                           "train.logging_steps": 1, "eval.max_samples": 4, **extra})
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    return child_env(**extra)
 
 
 def start_cli(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:

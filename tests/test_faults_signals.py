@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fault_support import cli_env, device_slot, overrides, start_cli, training_in_progress
+from conftest import child_env
+from fault_support import device_slot, overrides, start_cli, training_in_progress
 from flows.finetune import finetune
 from tasks.gpus import read_inventory
 from tasks.processes import tree
@@ -52,7 +53,7 @@ def stop_a_cli_run(cache: Path, tmp_path: Path, sig: int, slots: list[str], seed
 
     args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": 100,
                                                   "train.seed": seed, "hardware.stop_grace_seconds": 30, **extra})
-    proc = start_cli(args, cli_env(PREFECT_API_URL=PREFECT_API_URL.value(), **(env or {})), tmp_path / "cli.log")
+    proc = start_cli(args, child_env(PREFECT_API_URL=PREFECT_API_URL.value(), **(env or {})), tmp_path / "cli.log")
     try:
         out, rank = training_in_progress(cache, seed, min_step=3, run=proc, log=tmp_path / "cli.log")
         members = tree(proc.pid)  # the flow process, torchrun, the ranks
@@ -121,7 +122,7 @@ def warm_cache(prefect_server, cache, tmp_path_factory):
 
 @pytest.mark.parametrize("n", [2])
 def test_cli_runs_started_in_the_same_second_on_a_fresh_prefect_home_all_finish(warm_cache, tmp_path, n):
-    env = {k: v for k, v in cli_env().items() if not k.startswith("PREFECT_")}
+    env = {k: v for k, v in child_env().items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "fresh-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     started = time.monotonic()
     procs = [start_cli(warm_cache, env, tmp_path / f"cli-{i}.log") for i in range(n)]

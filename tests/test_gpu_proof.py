@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, load_benchmark
-from fault_support import cli_env
+from conftest import REPO, child_env, load_benchmark
 from tasks.processes import tree
 from test_gpus import gpu, report
 
@@ -99,7 +98,7 @@ def test_a_signal_to_gpu_proof_stops_its_flow_run_and_keeps_the_report(prefect_s
     argv = [sys.executable, "benchmarks/gpu_proof.py", "--tests", "skip", "--model", "generated:tiny-llama",
             "--demo-model", "", "--runs", "1gpu-auto-attn", "--work", str(tmp_path / "work"), "--out",
             str(tmp_path / "out")]
-    proc = subprocess.Popen(argv, cwd=REPO, env=cli_env(PREFECT_API_URL=PREFECT_API_URL.value()),
+    proc = subprocess.Popen(argv, cwd=REPO, env=child_env(PREFECT_API_URL=PREFECT_API_URL.value()),
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300

@@ -6,13 +6,12 @@ Screenshots land in test-outputs/ (docs/images/run-page-plots.png in the README 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import child_env, tiny_overrides
 from deploy_support import ROOT, PrefectStack, chromium_eval
 
 pytestmark = pytest.mark.slow
@@ -48,8 +47,7 @@ def cli_run(stack, shared_cache, tmp_path_factory):
     argv = [sys.executable, "flows/finetune.py"]
     for override in tiny_overrides(shared_cache / "ui", runs, **{"export.merge": True}):
         argv += ["--set", override]
-    env = dict(stack.env, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(argv, cwd=ROOT, env=child_env(stack.env), capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with stack.client() as client:
         (run,) = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)

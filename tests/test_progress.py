@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import child_env, tiny_overrides
 from tasks.progress import format_duration, progress_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,11 +85,9 @@ def run_without_terminal(argv: list[str], env: dict[str, str], timeout: float) -
     return done.returncode, done.stdout.decode(errors="replace")
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.update(extra)
-    return env
+def terminal_env(**extra: str) -> dict[str, str]:
+    """A child's environment without our terminal size: the pty's own size is the one the child must read."""
+    return child_env({k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}, **extra)
 
 
 def test_progress_line_reads_like_a_status_bar():
@@ -100,7 +98,7 @@ def test_progress_line_reads_like_a_status_bar():
 
 
 def test_progress_line_is_redrawn_in_place_under_a_pty():
-    rc, screen = run_in_terminal([sys.executable, "-c", FEED_EVENTS], child_env(), timeout=120)
+    rc, screen = run_in_terminal([sys.executable, "-c", FEED_EVENTS], terminal_env(), timeout=120)
     assert rc == 0, screen
     draws = [int(m.group(1)) for m in re.finditer(re.escape(CLEAR) + r"train +(\d+)/6", screen)]
     assert sorted(set(draws)) == list(range(1, 7)) and draws == sorted(draws), screen  # each step, in place
@@ -115,7 +113,7 @@ def test_progress_line_is_redrawn_in_place_under_a_pty():
 
 
 def test_plain_log_lines_without_a_terminal():
-    rc, out = run_without_terminal([sys.executable, "-c", FEED_EVENTS], child_env(), timeout=120)
+    rc, out = run_without_terminal([sys.executable, "-c", FEED_EVENTS], terminal_env(), timeout=120)
     assert rc == 0, out
     assert "\r" not in out and "\x1b" not in out and not LIVE_LINE.search(out)
     lines = [line for line in out.splitlines() if "step" in line]
@@ -135,8 +133,8 @@ def cli(cache: Path, runs: Path, seed: int) -> list[str]:
 
 def cli_env(tmp_path: Path) -> dict[str, str]:
     """A plain CLI run: its own temporary Prefect server and result storage (not this test session's)."""
-    env = child_env(PREFECT_HOME=str(tmp_path / "prefect-home"),
-                    PREFECT_LOCAL_STORAGE_PATH=str(tmp_path / "prefect-storage"))
+    env = terminal_env(PREFECT_HOME=str(tmp_path / "prefect-home"),
+                       PREFECT_LOCAL_STORAGE_PATH=str(tmp_path / "prefect-storage"))
     env.pop("PREFECT_API_URL", None)
     return env
 

@@ -174,6 +174,7 @@ def test_scale_out_benchmark_smoke_run_writes_the_report(shared_cache, tmp_path)
     assert len(run["param_mib_per_rank"]) == 2 and len(run["loss_curve"]) == 2
     assert "| fsdp | 2 | float32 |" in (out / "report.md").read_text()
 
+
 def test_two_process_torchrun_on_cpu(two_rank_reference):
     """The single-host reference itself: 2 gloo ranks under torchrun, each taking every step (DDP)."""
     train = two_rank_reference.train
