@@ -5,7 +5,7 @@ behind; the flows run it again first thing, because a deployment run has no CLI.
 and combinations), the model source (names and files, no weights), every row of the data files (an encoding error
 names its line), the GPUs through NVML (ids, CUDA_VISIBLE_DEVICES, MIG; no torch, no CUDA context), what the
 attention backend needs from the machine, the optimizer name, the experiment trackers (installed, an MLflow
-server answering), and that the run and cache directories can be created. LoRA target modules need the model's
+server answering), and that the run and cache directories (and $FINETUNE_FLOWS_PROBE_DIR, where set) can be created. LoRA target modules need the model's
 module names: `check_lora_targets` builds the model on the meta device from its config.json (no weights) before
 training launches.
 """
@@ -84,7 +84,12 @@ def _first_existing(path: Path) -> Path:
 
 
 def check_directories(cfg: FinetuneConfig) -> None:
-    for key, path in (("run.output_dir", Path(cfg.run.output_dir).expanduser()), ("run.cache_dir", cfg.cache_root)):
+    from tasks.environment import PROBE_DIR_ENV, probe_dir
+
+    places = [("run.output_dir", Path(cfg.run.output_dir).expanduser()), ("run.cache_dir", cfg.cache_root)]
+    if os.environ.get(PROBE_DIR_ENV):  # the host's directory of machine probes, where the operator set one
+        places.append((PROBE_DIR_ENV, probe_dir(cfg.cache_root)))
+    for key, path in places:
         existing = _first_existing(path.absolute())
         if not existing.is_dir():
             raise UserInputError(f"{key}={path}: {existing} is a file, so no directory can be created there")

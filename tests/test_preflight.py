@@ -38,6 +38,16 @@ def assert_one_message_before_any_server(done: subprocess.CompletedProcess, tmp_
     assert not list(tmp_path.glob("runs/*")), "a run directory was left behind"
 
 
+
+def test_a_probe_directory_that_is_a_file_is_named_before_anything_runs(tmp_path, monkeypatch):
+    from tasks.environment import PROBE_DIR_ENV
+
+    (tmp_path / "probes").write_text("not a directory")
+    monkeypatch.setenv(PROBE_DIR_ENV, str(tmp_path / "probes"))
+    with pytest.raises(UserInputError, match=f"{PROBE_DIR_ENV}={tmp_path / 'probes'}: {tmp_path / 'probes'} is a file"):
+        preflight(None, ["model.source=generated:tiny-llama", f"run.cache_dir={tmp_path / 'c'}",
+                         f"run.output_dir={tmp_path / 'runs'}"])
+
 def test_cli_names_the_line_of_a_row_that_is_not_utf8(tmp_path):
     data = tmp_path / "tickets.jsonl"
     data.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')
