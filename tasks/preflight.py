@@ -5,9 +5,9 @@ behind; the flows run it again first thing, because a deployment run has no CLI.
 and combinations), the model source (names and files, no weights), every row of the data files (an encoding error
 names its line), the GPUs through NVML (ids, CUDA_VISIBLE_DEVICES, MIG; no torch, no CUDA context), what the
 attention backend needs from the machine, the optimizer name, the experiment trackers (installed, an MLflow
-server answering), and that the run and cache directories (and $FINETUNE_FLOWS_PROBE_DIR, where set) can be created. LoRA target modules need the model's
-module names: `check_lora_targets` builds the model on the meta device from its config.json (no weights) before
-training launches.
+server answering), and that the run and cache directories (and $FINETUNE_FLOWS_PROBE_DIR, where set) can be
+created. LoRA target modules need the model's module names: `check_lora_targets` builds the model on the meta
+device from its config.json (no weights) before training launches.
 """
 
 from __future__ import annotations
