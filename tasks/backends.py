@@ -51,9 +51,10 @@ SWITCH_MARGIN = 0.05
 # of every layer (tasks/attention.py). The probe times one small eager layer, so it cannot see that cost, and it
 # misled on the H200: FA4's packed forward+backward 8-12% ahead of sdpa's in the probe (5.57 vs 6.07 ms,
 # 6.05 vs 6.85), yet compiled training on FA4 ran at 0.66x the tokens/s of torch varlen in the training bench
-# (train-bench-1xGPU-20261201-142917) and at 5,267 vs 5,833 tokens/s steady, first step 85 s vs 53 s, in the GPU
-# proof's flow (gpu-proof-1xGPU-20261201-174042 vs -141724). So compiled packed training stays on the traced
-# kernel; the probe's packed timing still decides where training is not compiled.
+# (train-bench-1xGPU-20261201-142917, both in one run), and the GPU proof's flow trained on FA4 at 5,267 tokens/s
+# steady, first step after 85 s (gpu-proof-1xGPU-20261201-174042), where an earlier call's run of the same flow on
+# torch varlen had logged 5,833 and 53 s (not one run, so not a ratio). So compiled packed training stays on the
+# traced kernel; the probe's packed timing still decides where training is not compiled.
 COMPILE_TRACED_PACKED = ("sdpa",)
 
 

@@ -84,7 +84,7 @@ def test_train_packing_decides_which_training_timing_the_plan_uses():
 def test_compiled_packed_training_stays_on_the_kernel_the_compiler_traces():
     # as measured on the H200: the eager probe put FA4's packed forward+backward 8% ahead of sdpa's, yet compiled
     # training on FA4 ran at 0.66x the tokens/s of torch varlen (train-bench-1xGPU-20261201-142917), and the GPU
-    # proof's flow, which auto had put on FA4, at 5,267 tokens/s against 5,833 (gpu-proof-1xGPU-20261201-174042)
+    # proof's flow, which auto had put on FA4, at 5,267 tokens/s steady (gpu-proof-1xGPU-20261201-174042)
     host = [H100]
     timings = [timing("sdpa", 2.74, 7.2, packed_ms=6.07), timing("flash_attention_4", 2.47, 7.0, packed_ms=5.57)]
     compiled = resolve_plan(load_config(None, ["hardware.gpus=0"]), report(host, fa4=True), selection_for("0", host),
