@@ -24,6 +24,14 @@ two_gpus = pytest.mark.skipif(len(INVENTORY) < 2, reason="needs 2 GPUs")
 MODEL = os.environ.get("FINETUNE_FLOWS_GPU_MODEL", "generated:qwen3-0.6b")
 
 
+def value_of(returned):
+    """A step's `.fn` returns a `Cached` state, not the value, when the shared GPU cache already holds its output
+    (another part of the tier, or an earlier tier run, made it)."""
+    from prefect.states import State
+
+    return returned.result() if isinstance(returned, State) else returned
+
+
 def smi(query: str) -> list[list[str]]:
     out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=True).stdout
@@ -45,8 +53,8 @@ def gpu_setup(prefect_server, gpu_cache, tmp_path_factory):
     env = run_probe(work, {}, gpu_cache)
     sel = selection_for("0", env.gpus)
     plan = resolve_plan(cfg, env, sel)
-    data = prepare_dataset.fn(cfg, materialize_tokenizer(cfg.model.source, cfg.cache_root))
-    base = quantize_base_model.fn(cfg, plan, sel, work)
+    data = value_of(prepare_dataset.fn(cfg, materialize_tokenizer(cfg.model.source, cfg.cache_root)))
+    base = value_of(quantize_base_model.fn(cfg, plan, sel, work))
     return dict(cfg=cfg, env=env, plan=plan, data=data, base=base, work=work)
 
 
@@ -90,7 +98,8 @@ def _train(gpu_setup, gpu_spec: str):
     cfg = cfg.model_copy(update={"hardware": cfg.hardware.model_copy(update={"gpus": gpu_spec})})
     sel = selection_for(gpu_spec, env.gpus)
     plan = resolve_plan(cfg, env, sel)
-    return train_adapter.fn(cfg, gpu_setup["data"], gpu_setup["base"], plan, sel, gpu_setup["work"]), plan, sel
+    result = value_of(train_adapter.fn(cfg, gpu_setup["data"], gpu_setup["base"], plan, sel, gpu_setup["work"]))
+    return result, plan, sel
 
 
 def test_training_on_one_gpu_lowers_the_loss(gpu_setup):
@@ -106,8 +115,8 @@ def test_adapter_evaluates_with_the_resolved_attention_backend(gpu_setup):
 
     one = gpu_setup.get("one_gpu") or _train(gpu_setup, "0")[0]
     plan = gpu_setup["plan"]
-    report = evaluate_adapter.fn(gpu_setup["cfg"], gpu_setup["data"], gpu_setup["base"], one.adapter_path, plan,
-                                 selection_for("0", gpu_setup["env"].gpus))
+    report = value_of(evaluate_adapter.fn(gpu_setup["cfg"], gpu_setup["data"], gpu_setup["base"], one.adapter_path,
+                                          plan, selection_for("0", gpu_setup["env"].gpus)))
     assert report.attn_implementation == plan.eval_attn and report.device == "cuda:0"
     assert report.adapter.loss < report.base.loss
 
