@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from tasks.config import ATTENTION_BACKENDS, FinetuneConfig
 from tasks.fingerprint import code_version
 from tasks.gpus import GpuInfo, GpuSelection
-from tasks.launcher import python_module, run_worker, worker_main, write_job
+from tasks.launcher import compile_caches, python_module, run_worker, worker_main, write_job
 
 # Backend -> (distribution to install, test on one GPU's capability, what that test demands).
 REQUIREMENTS = {
@@ -226,7 +226,8 @@ def measured_timings(cfg: FinetuneConfig, attention: dict[str, str], versions: d
             missing[str(path)] = position
     if missing:
         job = write_job(workdir, "attention-probe", names=names, shape=shape, dtype=compute_dtype, devices=missing)
-        result = run_worker("attention-probe", python_module("tasks.backends", job), selection.env, workdir)
+        result = run_worker("attention-probe", python_module("tasks.backends", job),
+                            {**selection.env, **compile_caches(cfg.cache_root, selection)}, workdir)
         for path, rows in result.items():
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(path).with_suffix(".tmp")

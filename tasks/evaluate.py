@@ -29,7 +29,7 @@ from tasks.environment import Plan
 from tasks.errors import retry_unless_user_error
 from tasks.fingerprint import combine, hash_bytes_of, hash_tree, step_versions
 from tasks.gpus import GpuSelection
-from tasks.launcher import python_module, run_logger, run_worker, write_job
+from tasks.launcher import compile_caches, python_module, run_logger, run_worker, write_job
 from tasks.metrics import METRICS, explain, rates
 from tasks.quantize import QuantizedModel
 from tasks.store import MANIFEST, Entry, reuse_or_produce, step_state, write_atomic
@@ -160,7 +160,8 @@ def _producer(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, 
                         base=str(base.path), base_model=base.model_dump(mode="json"), data=str(data.path),
                         out=str(out), **model)
         with device_slots(gpus.ids):  # lock order: the entry's lock (held by the caller), then the device
-            run_worker("evaluate", python_module("tasks.eval_worker", job), gpus.env, entry.path)
+            env = {**gpus.env, **compile_caches(cfg.cache_root, gpus)}
+            run_worker("evaluate", python_module("tasks.eval_worker", job), env, entry.path)
         report = with_metrics(EvalReport.model_validate_json(out.read_text()), data)
         write_atomic(out, report.model_dump_json(indent=2))
         return report

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -62,11 +63,27 @@ def worker_env(gpu_env: dict[str, str]) -> dict[str, str]:
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' own bars (read when it is imported)
     # flash-attention-4 compiles its kernels on first use in every process (the GPU proof's evaluation on FA4: 5.86 s
     # for the base pass, 0.38 s for the adapter's); its own on-disk cache (locked, atomic, keyed by FA4's source)
-    # lets the attention probe's compilation serve the workers after it, as torch.compile's inductor cache does.
-    # Not yet measured on a GPU; FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 turns it off.
+    # lets the attention probe's compilation serve the workers after it (in `compile_caches`' folder where the step
+    # passes one). Not yet measured on a GPU; FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 turns it off.
     env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
     return env
+
+
+# The compilers' on-disk caches: torch.compile's (inductor and AOTAutograd), Triton's (Liger's kernels) and
+# flash-attention-4's (CuTe DSL); each keys its entries by its own sources and versions.
+COMPILE_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton",
+                  "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "flash-attn-cute"}
+
+
+def compile_caches(cache_root: Path, selection) -> dict[str, str]:
+    """The compilers' caches in the project's cache, `<cache_dir>/compile/<GPU model>/`, instead of /tmp and ~/.triton,
+    which a fresh container (a Prefect Docker or Kubernetes worker's flow run) or a cleaned /tmp loses: a run on a
+    cache that has trained on that GPU model before starts from compiled kernels. One folder per GPU model (and one
+    for the CPU), so hosts with different GPUs can share the cache. A variable already set in the environment wins."""
+    kinds = sorted({f"{g.name}-sm{g.capability[0]}{g.capability[1]}" for g in selection.gpus}) or ["cpu"]
+    root = cache_root / "compile" / re.sub(r"[^A-Za-z0-9.-]+", "-", "+".join(kinds))
+    return {var: str(root / folder) for var, folder in COMPILE_CACHES.items() if var not in os.environ}
 
 
 class WorkerOutput:

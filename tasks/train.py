@@ -24,7 +24,7 @@ from tasks.environment import Plan
 from tasks.errors import UserInputError, retry_unless_user_error
 from tasks.fingerprint import combine, step_versions
 from tasks.gpus import GpuSelection
-from tasks.launcher import run_logger, run_worker, write_job
+from tasks.launcher import compile_caches, run_logger, run_worker, write_job
 from tasks.planner import ModelShape, TrainingPlan, plan_training
 from tasks.preflight import check_lora_targets
 from tasks.progress import ProgressReporter
@@ -205,7 +205,8 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
                         fingerprint=entry.key, training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
                         upcast_frozen=upcast_setting(cfg), micro_batch_split=split)
         with ProgressReporter(cfg.train.max_steps) as progress:
-            run_worker("train", train_command(cfg, plan, job, entry.key), {**gpus.env, **STABLE_HASHES}, out,
+            run_worker("train", train_command(cfg, plan, job, entry.key),
+                       {**gpus.env, **STABLE_HASHES, **compile_caches(cfg.cache_root, gpus)}, out,
                        on_event=lambda event: (observe(event), progress(event)),
                        stop_grace=cfg.hardware.stop_grace_seconds)
 

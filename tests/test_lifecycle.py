@@ -19,7 +19,8 @@ import pytest
 
 from conftest import child_env
 from tasks.errors import UserInputError, WorkerFailed, WorkerOOM
-from tasks.launcher import python_module, run_worker, torchrun_module, write_job
+from tasks.gpus import GpuInfo, GpuSelection
+from tasks.launcher import COMPILE_CACHES, compile_caches, python_module, run_worker, torchrun_module, write_job
 from tasks.processes import ProcessId, read_record, remove_stale_records, write_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +40,40 @@ def test_result_comes_back_and_no_records_are_left(tmp_path):
     job = write_job(tmp_path, "probe", do="result")
     assert run_worker("probe", python_module("tests.fault_worker", job), {}, tmp_path) == {"ok": True, "rank": None}
     assert not (tmp_path / "probe.pid").exists()
+
+
+def gpu(index: int, name: str, capability: tuple[int, int]) -> GpuInfo:
+    return GpuInfo(index=index, name=name, memory_total_mib=81920, memory_free_mib=81920, capability=capability)
+
+
+def test_compile_caches_are_one_folder_per_gpu_model_in_the_projects_cache_and_a_set_variable_wins(tmp_path,
+                                                                                                    monkeypatch):
+    for var in COMPILE_CACHES:
+        monkeypatch.delenv(var, raising=False)
+    h200 = GpuSelection(ids=[0, 1], gpus=[gpu(0, "NVIDIA H200", (9, 0)), gpu(1, "NVIDIA H200", (9, 0))])
+    assert compile_caches(tmp_path, h200) == {
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "compile" / "NVIDIA-H200-sm90" / "inductor"),
+        "TRITON_CACHE_DIR": str(tmp_path / "compile" / "NVIDIA-H200-sm90" / "triton"),
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(tmp_path / "compile" / "NVIDIA-H200-sm90" / "flash-attn-cute")}
+    mixed = GpuSelection(ids=[0, 1], gpus=[gpu(0, "NVIDIA L4", (8, 9)), gpu(1, "NVIDIA A100 80GB PCIe", (8, 0))])
+    assert Path(compile_caches(tmp_path, mixed)["TRITON_CACHE_DIR"]).parent.name == \
+        "NVIDIA-A100-80GB-PCIe-sm80-NVIDIA-L4-sm89"
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/fast/disk/triton")  # the user's own choice is left alone
+    assert set(compile_caches(tmp_path, GpuSelection(ids=[], gpus=[]))) == {"TORCHINDUCTOR_CACHE_DIR",
+                                                                            "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"}
+
+
+def test_a_workers_compiled_kernels_land_in_the_projects_cache(tmp_path, monkeypatch):
+    """A fresh container loses /tmp; the project's cache (a volume) keeps what torch.compile built."""
+    for var in COMPILE_CACHES:
+        monkeypatch.delenv(var, raising=False)
+    cache = tmp_path / "cache"
+    job = write_job(tmp_path, "train", do="compile")
+    env = compile_caches(cache, GpuSelection(ids=[], gpus=[]))
+    result = run_worker("train", python_module("tests.fault_worker", job), env, tmp_path)
+    inductor = cache / "compile" / "cpu" / "inductor"
+    assert result["value"][0] == pytest.approx(2 * 0.7310586 + 1) and result["inductor"] == str(inductor)
+    assert any(p.is_file() for p in inductor.rglob("*"))
 
 
 def test_user_error_raised_in_torchrun_ranks_reaches_the_task_as_one_message(tmp_path):
