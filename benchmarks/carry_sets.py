@@ -5,7 +5,7 @@ datasets, kernels, liger-kernel, flash-attn-4 and ray, and a call carries at mos
 script, run here (it needs PyPI), writes ignored folders under `.carry/` with the versions `pyproject.toml` pins:
 
   .carry/core        prefect, datasets, kernels, bitsandbytes, liger-kernel, transformers and what they need (~57 MiB)
-  .carry/ray         ray[train] without its Java jar, rllib and the dashboard's source maps (~42 MiB; 77 MiB whole)
+  .carry/ray         ray[train] without its Java jar, rllib and the dashboard's source maps (~42 MiB; 76 MiB whole)
   .carry/fa4/p1, p2  flash-attn-4 and the CUTLASS DSL (~105 MiB), staged in two parts by stage-for-carry.sh
 
 It calls `../shared/device/make-wheel-bundle.sh` (which leaves out what the image has) and `stage-for-carry.sh`.
