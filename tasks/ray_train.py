@@ -19,11 +19,22 @@ from pathlib import Path
 from tasks.config import FinetuneConfig
 from tasks.distributed import world_size
 from tasks.environment import Plan
-from tasks.launcher import rank_record, worker_main
+from tasks.launcher import COMPILE_CACHES, rank_record, worker_main
 
 RAY_RUN_NAME = "train"
 # Progress events are plain stdout lines: Ray Train's print patch would turn them into log records.
 DRIVER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_DEDUP_LOGS": "0"}
+# What the training step set for its worker that Ray's workers (started by the raylets, not by this driver) need
+# too: the import path, the GPU order, the offline Hub, the allocator, stable hashes, and the compilers' caches in
+# the project's cache (shared storage every node reaches, as the run's checkpoints are).
+FORWARDED_ENV = ("PYTHONPATH", "TOKENIZERS_PARALLELISM", "CUDA_DEVICE_ORDER", "HF_HUB_OFFLINE",
+                 "PYTORCH_CUDA_ALLOC_CONF", "PYTHONHASHSEED", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
+                 *COMPILE_CACHES)
+
+
+def forwarded_env(environ: dict[str, str]) -> dict[str, str]:
+    """The driver's variables that Ray's runtime environment passes on to every training worker."""
+    return {k: environ[k] for k in FORWARDED_ENV if k in environ}
 
 
 def train_loop_per_worker(job: dict) -> None:
@@ -89,9 +100,7 @@ def run_on_ray(job: dict) -> dict:
     out = Path(job["out"])
     on_gpu = plan.device == "cuda"
     ray.init(address=cfg.hardware.ray_address, log_to_driver=True,
-             runtime_env={"env_vars": {k: os.environ[k] for k in ("PYTHONPATH", "TOKENIZERS_PARALLELISM",
-                                                                   "CUDA_DEVICE_ORDER", "HF_HUB_OFFLINE",
-                                                                   "PYTORCH_CUDA_ALLOC_CONF") if k in os.environ}})
+             runtime_env={"env_vars": forwarded_env(dict(os.environ))})
     workers = world_size(cfg, plan)
     resources = ray.cluster_resources()
     print(f"Ray cluster at {cfg.hardware.ray_address}: {len(ray.nodes())} node(s), "

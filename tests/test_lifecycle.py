@@ -20,7 +20,8 @@ import pytest
 from conftest import child_env
 from tasks.errors import UserInputError, WorkerFailed, WorkerOOM
 from tasks.gpus import GpuInfo, GpuSelection
-from tasks.launcher import COMPILE_CACHES, compile_caches, python_module, run_worker, torchrun_module, write_job
+from tasks.launcher import (COMPILE_CACHES, compile_caches, python_module, run_worker, torchrun_module, worker_env,
+                            write_job)
 from tasks.processes import ProcessId, read_record, remove_stale_records, write_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +62,24 @@ def test_compile_caches_are_one_folder_per_gpu_model_in_the_projects_cache_and_a
     monkeypatch.setenv("TRITON_CACHE_DIR", "/fast/disk/triton")  # the user's own choice is left alone
     assert set(compile_caches(tmp_path, GpuSelection(ids=[], gpus=[]))) == {"TORCHINDUCTOR_CACHE_DIR",
                                                                             "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"}
+
+
+def test_ray_training_workers_get_the_compile_caches_and_stable_hashes_the_training_step_sets(tmp_path, monkeypatch):
+    """Ray's workers are started by the raylets, not by the training step's driver: what the step set for its worker
+    reaches them through Ray's runtime environment, and nothing else of the host's environment does."""
+    from tasks.ray_train import forwarded_env
+    from tasks.train import STABLE_HASHES
+
+    for var in COMPILE_CACHES:
+        monkeypatch.delenv(var, raising=False)
+    h200 = GpuSelection(ids=[0], gpus=[gpu(0, "NVIDIA H200", (9, 0))])
+    step = {**h200.env, **STABLE_HASHES, **compile_caches(tmp_path, h200)}
+    driver = {**worker_env(step), "HOST_SECRET": "x"}  # the environment run_worker gives the driver
+    ray_workers = forwarded_env(driver)
+    assert "HOST_SECRET" not in ray_workers and "CUDA_VISIBLE_DEVICES" not in ray_workers  # Ray assigns each a GPU
+    for var in (*COMPILE_CACHES, *STABLE_HASHES, "CUDA_DEVICE_ORDER", "PYTHONPATH", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"):
+        assert ray_workers[var] == driver[var], var
+    assert ray_workers["TRITON_CACHE_DIR"] == str(tmp_path / "compile" / "NVIDIA-H200-sm90" / "triton")
 
 
 def test_a_workers_compiled_kernels_land_in_the_projects_cache(tmp_path, monkeypatch):
