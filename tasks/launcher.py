@@ -357,11 +357,26 @@ def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
         report_failure(workdir, step, kind, str(exc) if kind == "user_error" else message,
                        int(job.get("micro_batch_split", 1)))
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_CODES[kind])
+        exit_now(EXIT_CODES[kind])
     if result is not None:
         tmp = workdir / f".{step}.result.json.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(result, indent=2))
         os.replace(tmp, workdir / f"{step}.result.json")
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """End a worker whose work is on disk without the interpreter's teardown: with torch, transformers, peft and
+    bitsandbytes loaded, tearing the modules down takes 2.6 s of CPU after the last line on a 2-core host (0.09 s
+    this way), and every step waited for it. Everything the worker writes is written and renamed before this;
+    the streams and log handlers are flushed here; the training ranks have left their process group already."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def write_job(workdir: Path, step: str, **fields: Any) -> Path:
