@@ -77,7 +77,8 @@ def test_ray_training_workers_get_the_compile_caches_and_stable_hashes_the_train
     driver = {**worker_env(step), "HOST_SECRET": "x"}  # the environment run_worker gives the driver
     ray_workers = forwarded_env(driver)
     assert "HOST_SECRET" not in ray_workers and "CUDA_VISIBLE_DEVICES" not in ray_workers  # Ray assigns each a GPU
-    for var in (*COMPILE_CACHES, *STABLE_HASHES, "CUDA_DEVICE_ORDER", "PYTHONPATH", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"):
+    for var in (*COMPILE_CACHES, *STABLE_HASHES, "CUDA_DEVICE_ORDER", "PYTHONPATH",
+                "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"):
         assert ray_workers[var] == driver[var], var
     assert ray_workers["TRITON_CACHE_DIR"] == str(tmp_path / "compile" / "NVIDIA-H200-sm90" / "triton")
 
