@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.train_speed import (  # noqa: E402  (the path above first)
-    CHAIN_VOCAB, MemoryPoller, child_env, generate_on_gpu, gpu_name, versions, write_workload)
+    MemoryPoller, child_env, generate_on_gpu, gpu_name, versions, workload_for)
 
 
 def host_hardware(args, gpu_ids: list[int]) -> list[str]:
@@ -246,15 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if env.gpus and len(env.gpus) < args.gpus:
         raise SystemExit(f"--gpus {args.gpus}: this host has {len(env.gpus)} GPU(s)")
     gpus = env.gpus[:args.gpus]
-    from tasks.models import ARCHS, materialize_tokenizer
-
-    vocab = ARCHS[args.shape].get("vocab_size")
-    if vocab is None:  # tiny-llama: the generated tokenizer's size
-        from transformers import AutoTokenizer
-
-        vocab = len(AutoTokenizer.from_pretrained(materialize_tokenizer(f"generated:{args.shape}", cache)))
-    data = state / "workload" / f"{args.shape}-{args.rows}"
-    stats = write_workload(data, args.rows, min(vocab, CHAIN_VOCAB), args.smoke)
+    data, stats = workload_for(args.shape, args.rows, state, cache, args.smoke)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"scale-out-{len(gpus)}xGPU-{stamp}"
     report = {"date": stamp, "command": "python benchmarks/scale_out.py " + " ".join(

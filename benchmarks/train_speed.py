@@ -53,24 +53,26 @@ CHAIN_VOCAB = 1024  # tokens the chain uses: small enough that a short run learn
 
 
 def markov_rows(n: int, vocab: int, seed: int, median: int = 256, sigma: float = 0.7, lo: int = 32,
-                hi: int = 1024) -> list[list[int]]:
-    """Token rows from a fixed sparse Markov chain, lengths lognormal(ln median, sigma) clipped to [lo, hi]."""
+                hi: int = 1024, first: int = 0) -> list[list[int]]:
+    """Token rows from a fixed sparse Markov chain over ids first..vocab-1, lengths lognormal(ln median, sigma)
+    clipped to [lo, hi]."""
     rng = random.Random(seed)
     table = random.Random(1234)
-    succ = [[table.randrange(vocab) for _ in range(SUCCESSORS)] for _ in range(vocab)]
+    states = vocab - first
+    succ = [[table.randrange(states) for _ in range(SUCCESSORS)] for _ in range(states)]
     rows = []
     for _ in range(n):
         length = int(min(hi, max(lo, round(math.exp(rng.gauss(math.log(median), sigma))))))
-        tok = rng.randrange(vocab)
+        tok = rng.randrange(states)
         row = [tok]
         for _ in range(length - 1):
             tok = succ[tok][rng.randrange(SUCCESSORS)]
             row.append(tok)
-        rows.append(row)
+        rows.append([first + t for t in row])
     return rows
 
 
-def write_workload(path: Path, rows: int, vocab: int, smoke: bool) -> dict:
+def write_workload(path: Path, rows: int, vocab: int, smoke: bool, first: int = 0) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -78,16 +80,36 @@ def write_workload(path: Path, rows: int, vocab: int, smoke: bool) -> dict:
         return json.loads((path / "stats.json").read_text())
     path.mkdir(parents=True, exist_ok=True)
     kw = dict(median=48, lo=8, hi=128) if smoke else {}
-    data = markov_rows(rows + EVAL_ROWS, vocab, seed=7, **kw)
+    data = markov_rows(rows + EVAL_ROWS, vocab, seed=7, first=first, **kw)
     train, evaluation = data[:rows], data[rows:]
     for name, split in (("train", train), ("eval", evaluation)):
         pq.write_table(pa.table({"input_ids": split, "labels": split}), path / f"{name}.parquet")
     lengths = [len(r) for r in train]
-    stats = {"rows": rows, "eval_rows": EVAL_ROWS, "vocab": vocab, "tokens": sum(lengths),
+    stats = {"rows": rows, "eval_rows": EVAL_ROWS, "vocab": vocab, "first_id": first, "tokens": sum(lengths),
              "mean_length": round(sum(lengths) / rows, 1), "median_length": sorted(lengths)[rows // 2],
              "max_length": max(lengths), "min_length": min(lengths)}
     (path / "stats.json").write_text(json.dumps(stats, indent=2))
     return stats
+
+
+def workload_for(shape: str, rows: int, state: Path, cache: Path, smoke: bool) -> tuple[Path, dict]:
+    """The synthetic workload for a generated shape: its path and statistics.
+
+    The chain never emits the tokenizer's special ids. The generated models' initialisation zeroes the pad token's
+    embedding row, so a row that *starts* with it keeps an all-zero hidden state through every layer; each RMSNorm
+    then multiplies the gradient by 1/sqrt(eps) on the way back, and 28 layers of that overflow bf16: the 2-GPU run of
+    the Qwen3-0.6B shape went NaN at the step whose micro-batch held such a row (a row of the first 4,000 starts with
+    id 0 = <|endoftext|>), and so did 1 GPU once it trained that far, on every attention kernel.
+    """
+    from transformers import AutoTokenizer
+
+    from tasks.models import ARCHS, materialize_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(materialize_tokenizer(f"generated:{shape}", cache))
+    vocab = min(ARCHS[shape].get("vocab_size") or len(tok), CHAIN_VOCAB)
+    first = 1 + max(tok.all_special_ids, default=-1)
+    data = state / "workload" / f"{shape}-{rows}-from{first}"
+    return data, write_workload(data, rows, vocab, smoke, first)
 
 
 # ---------------------------------------------------------------- one run
@@ -463,16 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"train-bench-{len(env.gpus)}xGPU-{stamp}"
     if not args.report_only:
-        from tasks.models import ARCHS, materialize_tokenizer
-
         for shape in [s for s in args.shapes.split(",") if s]:
-            vocab = ARCHS[shape].get("vocab_size")
-            if vocab is None:  # tiny-llama: the generated tokenizer's size
-                from transformers import AutoTokenizer
-
-                vocab = len(AutoTokenizer.from_pretrained(materialize_tokenizer(f"generated:{shape}", bench.cache)))
-            data = state / "workload" / f"{shape}-{args.rows}"
-            stats = write_workload(data, args.rows, min(vocab, CHAIN_VOCAB), args.smoke)
+            data, stats = workload_for(shape, args.rows, state, bench.cache, args.smoke)
             for run in [r for r in args.runs.split(",") if r]:
                 if run == "seed":
                     bench.run_seed(shape, data, stats)

@@ -51,3 +51,31 @@ def test_two_gpu_variants_get_their_own_scaling_beside_the_plain_one(tmp_path):
     env = SimpleNamespace(gpus=[], driver_version=None, cuda_version=None)
     speedup = bench.build_report(tmp_path, env, "cmd")["speedup"]
     assert speedup == {"ddp_2gpu_scaling": 1.9, "ddp_2gpu_scaling:noliger": 1.5}
+
+
+def test_the_workload_never_emits_a_special_token_the_generated_models_pad_row_is_zero(tmp_path):
+    """A row starting with the pad token keeps an all-zero hidden state through every layer of a generated model
+    (its init zeroes the pad's embedding row), and the RMSNorms' backward then overflows bf16: the Qwen3-0.6B workload
+    once held such a row and every GPU run that reached it went NaN. The chain now starts after the special ids."""
+    import pyarrow.parquet as pq
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from tasks.models import materialize_model, materialize_tokenizer
+
+    bench = load_benchmark("train_speed")
+    cache = tmp_path / "cache"
+    data, stats = bench.workload_for("qwen3-0.6b", 300, tmp_path / "state", cache, smoke=False)
+    special = set(AutoTokenizer.from_pretrained(materialize_tokenizer("generated:qwen3-0.6b", cache)).all_special_ids)
+    ids = {t for split in ("train", "eval") for row in pq.read_table(data / f"{split}.parquet")["input_ids"].to_pylist()
+           for t in row}
+    assert special and not ids & special
+    assert min(ids) == stats["first_id"] == max(special) + 1 and max(ids) < bench.CHAIN_VOCAB
+    assert stats["median_length"] > 100  # the real length distribution, not the smoke one
+
+    model = materialize_model("generated:tiny-llama", cache)
+    tok = AutoTokenizer.from_pretrained(model)
+    weights = load_file(next(model.glob("*.safetensors")))
+    embed = next(w for name, w in weights.items() if name.endswith("embed_tokens.weight"))
+    assert torch.count_nonzero(embed[tok.pad_token_id]) == 0 and tok.pad_token_id in special
