@@ -16,8 +16,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from tasks.config import DataConfig, FinetuneConfig
@@ -26,6 +24,7 @@ from tasks.errors import DataError, retry_unless_user_error
 from tasks.fingerprint import combine, hash_bytes_of, hash_tree, step_versions
 from tasks.launcher import run_logger
 from tasks.store import Entry, reuse_or_produce, step_state
+from tasks.steps import step
 
 IGNORE_INDEX = -100
 ROLES = {"system", "user", "assistant"}
@@ -417,7 +416,7 @@ def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> Prepar
     return result
 
 
-@task(name="prepare-dataset", persist_result=False, cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
+@step(name="prepare-dataset", retries=1, retry_delay_seconds=5,
       retry_condition_fn=retry_unless_user_error, task_run_name="prepare-dataset[{cfg.data.source}]", tags=["data"])
 def prepare_dataset(cfg: FinetuneConfig, tokenizer_dir: Path):
     """Reuse the verified dataset entry, or build it under the entry's lock."""

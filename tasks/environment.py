@@ -17,9 +17,6 @@ import socket
 import sys
 from pathlib import Path
 
-from prefect import task
-from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from tasks.backends import BackendTiming, attention_shape, installed, measured_timings, resolve_attention
@@ -30,6 +27,7 @@ from tasks.kernels import check_kernels
 from tasks.gpus import GpuInfo, GpuSelection, read_inventory, selection_for
 from tasks.launcher import python_module, run_logger, run_worker, worker_main, write_job
 from tasks.store import write_atomic
+from tasks.steps import step
 
 STACK = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "prefect", "kernels",
          "flash-attn", "flash-attn-3", "flash-attn-4", "liger-kernel", "pydantic", "nvidia-ml-py", "triton")
@@ -331,8 +329,7 @@ def measured_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSel
     return (resolve_plan(cfg, env, selection, timings), timings) if timings else (plan, None)
 
 
-@task(name="verify-environment", task_run_name="verify-environment[gpus={cfg.hardware.gpus}]", tags=["setup"],
-      persist_result=False, cache_policy=NO_CACHE)  # no result store: nothing pickled is ever read back
+@step(name="verify-environment", task_run_name="verify-environment[gpus={cfg.hardware.gpus}]", tags=["setup"])
 def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentReport, Plan]:
     """Probe the machine, publish the report, and check the config against it (all problems at once)."""
     env = run_probe(run_dir / "work", cfg.hardware.kernels, cfg.cache_root)
@@ -350,6 +347,8 @@ def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentR
         raise EnvironmentMismatch(problems, "config vs environment")
     md = report_markdown(env, plan)
     (run_dir / "environment.md").write_text(md)
+    from prefect.artifacts import create_markdown_artifact  # here: the probe worker imports this module
+
     create_markdown_artifact(md, key="environment-report", description="Machine, stack and resolved plan")
     run_logger().info("plan: %s", plan.model_dump())
     return env, plan

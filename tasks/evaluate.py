@@ -16,9 +16,7 @@ from pathlib import Path
 
 from typing import Any, Callable
 
-from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from tasks.concurrency import device_slots
@@ -33,6 +31,7 @@ from tasks.launcher import compile_caches, python_module, run_logger, run_worker
 from tasks.metrics import METRICS, explain, rates
 from tasks.quantize import QuantizedModel
 from tasks.store import MANIFEST, Entry, reuse_or_produce, step_state, write_atomic
+from tasks.steps import step
 
 
 class ModelScores(BaseModel):
@@ -174,7 +173,7 @@ def _log_scores(report: EvalReport) -> None:
         f"{key} {report.metric}={s.generation_score} loss={s.loss:.4f}" for key, _, s in report.models()))
 
 
-@task(name="evaluate-adapter", persist_result=False, cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10,
+@step(name="evaluate-adapter", retries=1, retry_delay_seconds=10,
       retry_condition_fn=retry_unless_user_error, tags=["evaluation", "device"],
       task_run_name="evaluate-adapter[{cfg.run.name}: {cfg.eval.max_samples} samples, {plan.eval_attn}]")
 def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter_path: Path,
@@ -187,7 +186,7 @@ def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: Quantized
     return step_state(report, reused, entry)
 
 
-@task(name="evaluate-checkpoint", persist_result=False, cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10,
+@step(name="evaluate-checkpoint", retries=1, retry_delay_seconds=10,
       retry_condition_fn=retry_unless_user_error, tags=["evaluation", "device"],
       task_run_name="evaluate-checkpoint[{cfg.run.name}: {cfg.eval.max_samples} samples, {plan.eval_attn}]")
 def evaluate_checkpoint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, checkpoint: Path,

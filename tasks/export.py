@@ -24,8 +24,6 @@ import shutil
 import time
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from tasks.concurrency import device_slots
@@ -38,6 +36,7 @@ from tasks.gpus import GpuSelection
 from tasks.launcher import python_module, run_logger, run_worker, worker_main, write_job
 from tasks.quantize import QuantizedModel, torch_dtype
 from tasks.store import MANIFEST, Entry, reuse_or_produce
+from tasks.steps import step
 
 RECORD = "export.json"
 HEADROOM = 1.25  # allocator slack, activations of the check, the tokenizer: measured need is below this
@@ -205,7 +204,7 @@ def _export(job: dict) -> dict:
 # ---------------------------------------------------------------- orchestrator side
 
 
-@task(name="merge-adapter", persist_result=False, cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10,
+@step(name="merge-adapter", retries=1, retry_delay_seconds=10,
       retry_condition_fn=retry_unless_user_error, task_run_name="merge-adapter[{cfg.run.name}: {cfg.export.dtype}]",
       tags=["export", "device"])
 def merge_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter: Path, plan: Plan,

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import os
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from tasks.errors import EnvironmentMismatch
+from tasks.steps import step
 
 
 class GpuInfo(BaseModel):
@@ -166,8 +165,7 @@ def read_inventory() -> list[GpuInfo]:
     return restrict(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-@task(name="select-gpus", task_run_name="select-gpus[{spec}]", tags=["setup"], persist_result=False,
-      cache_policy=NO_CACHE)  # no result store: nothing pickled is ever read back
+@step(name="select-gpus", task_run_name="select-gpus[{spec}]", tags=["setup"])
 def select_gpus(spec: str, inventory: list[GpuInfo]) -> GpuSelection:
     """Pick GPUs from the environment probe's reading (the one `hardware.gpus` was checked against) and log it."""
     from tasks.launcher import run_logger

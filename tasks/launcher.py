@@ -42,6 +42,10 @@ FAILURE_ORDER = ("user_error", "disk_full", "oom", "interrupted")  # the most te
 
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The Prefect run's logger inside a flow or task run, else ours. A worker process never has a Prefect run and
+    never imports Prefect (tasks/steps.py says why), so the code it shares with the flow logs to ours there."""
+    if "prefect" not in sys.modules:
+        return logging.getLogger("finetune_flows")
     try:
         from prefect.logging import get_run_logger
 

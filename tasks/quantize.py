@@ -13,8 +13,6 @@ from pathlib import Path
 
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from tasks.concurrency import device_slots
@@ -27,6 +25,7 @@ from tasks.launcher import python_module, run_logger, run_worker, worker_main, w
 from tasks.models import materialize_model, model_identity
 from tasks.sharding import quant_storage
 from tasks.store import Entry, StoreError, reuse_or_produce, step_state
+from tasks.steps import step
 
 
 class QuantizedModel(BaseModel):
@@ -109,7 +108,7 @@ def _quantize(job: dict) -> dict:
     return result
 
 
-@task(name="quantize-base-model", persist_result=False, cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10,
+@step(name="quantize-base-model", retries=1, retry_delay_seconds=10,
       retry_condition_fn=retry_unless_user_error, task_run_name="quantize-base-model[{cfg.model.source}]",
       tags=["model", "device"])
 def quantize_base_model(cfg: FinetuneConfig, plan: Plan, gpus: GpuSelection, run_dir: Path):

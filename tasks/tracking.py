@@ -18,13 +18,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from tasks.config import FinetuneConfig
 from tasks.environment import Plan
 from tasks.errors import ConfigError
 from tasks.launcher import run_logger
+from tasks.steps import step
 
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",), "wandb": ("wandb",),
             "trackio": ("trackio",), "comet_ml": ("comet_ml",), "clearml": ("clearml",)}
@@ -85,8 +84,8 @@ def _experiment_id(client, name: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
-@task(name="log-to-mlflow", retries=2, retry_delay_seconds=10, task_run_name="log-to-mlflow[{cfg.run.name}]",
-      tags=["tracking"], persist_result=False, cache_policy=NO_CACHE)  # no result store: nothing pickled is read
+@step(name="log-to-mlflow", retries=2, retry_delay_seconds=10, task_run_name="log-to-mlflow[{cfg.run.name}]",
+      tags=["tracking"])
 def log_to_mlflow(cfg: FinetuneConfig, plan: Plan, result) -> str:
     """Log a finished run (a FinetuneResult) to `tracking.mlflow_uri`; return the MLflow run id."""
     import time

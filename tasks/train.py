@@ -11,8 +11,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from tasks.attempts import run_attempts, split_limit, whole_run
@@ -31,6 +29,7 @@ from tasks.progress import ProgressReporter
 from tasks.quantize import QuantizedModel
 from tasks.store import Entry, reuse_or_produce, step_state
 from tasks.train_worker import last_checkpoint
+from tasks.steps import step
 
 # train.* settings that cannot change the adapter: bookkeeping, checkpoint cadence (a resume restores the
 # optimizer, scheduler and RNG state, so where it resumes from does not change the result) and retries. Every
@@ -177,7 +176,7 @@ def publish_training_plan(tplan: TrainingPlan) -> None:
 RESUMABLE = ("checkpoints", "ray", "train.log", "attempts.json", "adapt.json")
 
 
-@task(name="train-adapter", persist_result=False, cache_policy=NO_CACHE, retry_condition_fn=retry_unless_user_error,
+@step(name="train-adapter", retry_condition_fn=retry_unless_user_error,
       task_run_name="train-adapter[{cfg.run.name}: {cfg.train.max_steps} steps]", tags=["training", "device"])
 def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan, gpus: GpuSelection,
                   run_dir: Path):
