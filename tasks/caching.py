@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, NamedTuple
 
-from prefect import Task
+from tasks.steps import Step
 
 
 class StepRun(NamedTuple):
@@ -15,7 +15,7 @@ class StepRun(NamedTuple):
     seconds: float
 
 
-def run_step(step: Task[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, StepRun]:
+def run_step(step: Step, *args: Any, **kwargs: Any) -> tuple[Any, StepRun]:
     """Run a step task; return (result, how it ran).
 
     Steps reuse verified store entries (tasks/store.py) and then finish in a Completed state named `Cached`, which

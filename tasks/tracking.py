@@ -18,7 +18,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-
 from tasks.config import FinetuneConfig
 from tasks.environment import Plan
 from tasks.errors import ConfigError

@@ -27,9 +27,9 @@ from tasks.planner import ModelShape, TrainingPlan, plan_training
 from tasks.preflight import check_lora_targets
 from tasks.progress import ProgressReporter
 from tasks.quantize import QuantizedModel
+from tasks.steps import step
 from tasks.store import Entry, reuse_or_produce, step_state
 from tasks.train_worker import last_checkpoint
-from tasks.steps import step
 
 # train.* settings that cannot change the adapter: bookkeeping, checkpoint cadence (a resume restores the
 # optimizer, scheduler and RNG state, so where it resumes from does not change the result) and retries. Every
