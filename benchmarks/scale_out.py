@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=4, help="learning-rate warm-up steps")
     parser.add_argument("--accumulation", type=int, default=4, help="x 8 rows = the effective batch per rank")
     parser.add_argument("--learning-rate", type=float, default=2e-4,
-                        help="2e-4: at 1e-3 the 2-GPU DDP run of train_speed.py diverged (benchmarks/README.md)")
+                        help="2e-4, chosen when a 2-GPU DDP run of train_speed.py at 1e-3 went NaN; the cause was the "
+                             "workload (rows starting with the pad token), fixed since (benchmarks/README.md)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run, e.g. train.micro_batch_tokens=8192 (the same "
                         "micro-batch for both strategies; by default the planner fills each rank's memory)")
