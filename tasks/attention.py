@@ -27,6 +27,7 @@ GPU_KERNEL_FOR = {"flash_attention_4": "fa4", "flash_attention_3": "fa3", "flash
                   "sdpa": "torch_varlen", "eager": "rows"}
 
 _kernel = "rows"
+_torch_varlen_resolved = None  # (varlen_attn, the keywords it takes) once `torch_varlen` is chosen
 
 
 def packed_kernel_for(train_attn: str, on_gpu: bool) -> str:
@@ -68,25 +69,36 @@ def _flash_attention(q, k, v, cu_seqlens, max_len: int, scale: float, kernel: st
 _flash_call = _flash_attention  # use_packed_attention() puts it out of torch.compile's reach
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_len: int, scale: float, kernel: str):
-    """Causal attention within each packed row. q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+@lru_cache(maxsize=None)
+def _torch_varlen_call():
+    """varlen_attn and the keywords this torch's signature takes, worked out once, outside torch.compile: the
+    compiled decoder layers trace only the call (inspecting a signature there is Python Dynamo would re-run on
+    every trace)."""
+    fn = _torch_varlen()
+    params = inspect.signature(fn).parameters
+    return fn, {name: name in params for name in ("scale", "enable_gqa", "is_causal")}
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_len: int, scale: float, kernel: str, torch_varlen=None):
+    """Causal attention within each packed row. q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. `torch_varlen` is
+    `_torch_varlen_call()` (looked up here when not given)."""
     import torch
 
     if kernel in ("fa4", "fa3", "fa2"):
         return _flash_call(q, k, v, cu_seqlens, max_len, scale, kernel)
     if kernel == "torch_varlen":
-        fn = _torch_varlen()
-        params = inspect.signature(fn).parameters
-        if q.shape[1] != k.shape[1] and "enable_gqa" not in params:
+        fn, takes = torch_varlen or _torch_varlen_call()
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and not takes["enable_gqa"]:
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         kw: dict[str, Any] = {}
-        if "scale" in params:
+        if takes["scale"]:
             kw["scale"] = scale
         elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:  # torch 2.10/2.11 always scale by 1/sqrt(head_dim)
             q = q * (scale * q.shape[-1] ** 0.5)
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = q.shape[1] != k.shape[1]
-        if "is_causal" in params:  # torch 2.10/2.11
+        if takes["enable_gqa"]:
+            kw["enable_gqa"] = gqa
+        if takes["is_causal"]:  # torch 2.10/2.11
             kw["is_causal"] = True
         else:  # torch >= 2.12 expresses causality as a window
             kw["window_size"] = (-1, 0)
@@ -119,7 +131,8 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     dtype = _kernel_dtype(query, value)
     q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))  # [T, H, D]
-    out = varlen_attention(q, k, v, cu.to(q.device, non_blocking=True), int(kwargs["max_length_q"]), scale, _kernel)
+    out = varlen_attention(q, k, v, cu.to(q.device, non_blocking=True), int(kwargs["max_length_q"]), scale, _kernel,
+                           _torch_varlen_resolved)
     return out.unsqueeze(0), None
 
 
@@ -143,10 +156,11 @@ def use_packed_attention(model, kernel: str) -> None:
 
     import torch
 
-    global _kernel, _flash_call
+    global _kernel, _flash_call, _torch_varlen_resolved
     if kernel not in KERNELS:
         raise ValueError(f"unknown packed attention kernel {kernel!r}; known: {', '.join(KERNELS)}")
     _kernel = kernel
+    _torch_varlen_resolved = _torch_varlen_call() if kernel == "torch_varlen" else None
     # compiled decoder layers call the flash kernels as one opaque step with their own autograd, instead of Dynamo
     # tracing FA4's CuTe-DSL launcher (Python that JIT-compiles kernels) or flash-attn's wrappers at every new shape
     _flash_call = torch.compiler.disable(_flash_attention, reason="flash-attn varlen kernels are called untraced")
