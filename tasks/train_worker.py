@@ -212,9 +212,18 @@ def build_model(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, base_path:
     ))
     model.config.use_cache = False
     if tplan.compile_layers:
-        for layer in model.get_base_model().model.layers:
-            layer.compile(dynamic=True)  # one graph for every layer, any packed length
+        compile_decoder_layers(model)
     return model
+
+
+def compile_decoder_layers(model, **compile_options) -> None:
+    """torch.compile each decoder layer of the PEFT model: one graph serves every layer and any packed length.
+    The frozen embedding's output does not require grad while every later layer's input does, and Dynamo guards on
+    that, so the first layer alone would be compiled again (a recompile on "hidden_states requires_grad mismatch",
+    which doubled the compilation); its input is made to require grad, at the cost of one input gradient more."""
+    model.enable_input_require_grads()
+    for layer in model.get_base_model().model.layers:
+        layer.compile(dynamic=True, **compile_options)
 
 
 # ---------------------------------------------------------------- the rank body

@@ -136,6 +136,31 @@ def test_compiled_layers_call_the_flash_kernel_untraced(monkeypatch):
     assert calls == [(False, int, True)] * 2  # once per layer, outside the traced graph, with a Python-int length
 
 
+def test_compiled_decoder_layers_compile_once_for_every_layer_and_packed_length():
+    """Training compiles each decoder layer (tasks/train_worker.py compile_decoder_layers). The first layer's input
+    comes from the frozen embedding; unless it requires grad like every later layer's input, Dynamo compiles the
+    layer twice (seen on the H200: ~100 s before the first step of a Qwen3-0.6B run). Dynamo's own backend, so no
+    kernels are built; a recompile is an error here."""
+    from peft import LoraConfig, get_peft_model
+
+    from tasks.train_worker import compile_decoder_layers
+
+    model = get_peft_model(tiny_qwen3(2).train(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                           target_modules="all-linear", task_type="CAUSAL_LM"))
+    model.config.use_cache = False  # as build_model sets it for training
+    use_packed_attention(model, "rows")
+    torch._dynamo.reset()
+    try:
+        compile_decoder_layers(model, backend="eager")
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for lengths in ([5, 17], [30, 2, 11, 6]):  # two packed lengths and row counts: one dynamic graph
+                model(**PackedCollator(0)([random_rows(lengths)])).loss.backward()
+    finally:
+        torch._dynamo.reset()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
+    assert grads and all(g is not None for g in grads)
+
+
 def test_kernel_choice_follows_the_backend_and_falls_back_on_the_cpu():
     assert packed_kernel_for("flash_attention_4", on_gpu=False) == "rows"
     assert packed_kernel_for("flash_attention_4", on_gpu=True) == "fa4"
