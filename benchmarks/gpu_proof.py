@@ -165,7 +165,7 @@ def markdown(report: dict) -> str:
              "", "## GPU tests", "", f"{report['gpu_tests']['summary']} ({report['gpu_tests']['seconds']} s)", ""]
     lines += [f"- {line}" for line in report["gpu_tests"]["results"]]
     lines += ["", "## Flow runs (Prefect `finetune` flow, real workers)", "",
-              "| run | GPUs | ranks | backend | steps (per rank) | loss first -> final | tokens/s whole run (steady) "
+              "| run | hardware.gpus | ranks | backend | steps (per rank) | loss first -> final | tokens/s whole run (steady) "
               "| peak MiB | "
               "eval attention | flow s | seconds per step | cached steps |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
