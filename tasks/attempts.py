@@ -155,8 +155,9 @@ def run_attempts(out: Path, limit: int, resume_point: Callable[[], int | None],
         except WorkerOOM as oom:
             log.end("out of memory", oom.message)
             new = adapt_after_oom(out, oom, limit)
-            logger.warning("out of memory with each micro-batch in %d piece(s): trying again at once with %d "
-                           "(gradient accumulation x%d: same effective batch, same results)", split, new, new)
+            logger.warning("out of memory with each micro-batch in %d piece(s): trying again at once with %d pieces "
+                           "(%d times the planned gradient accumulation: same effective batch, same results)",
+                           split, new, new)
             continue
         except WorkerInterrupted:
             log.end("interrupted")
