@@ -127,7 +127,8 @@ COMPARED_WITH = {"1gpu-other-attn-eval": "1gpu-auto-attn", "demo-model-other-att
 
 def other_backend(auto: str | None, env) -> tuple[str | None, str]:
     """A backend other than auto's choice to compare it with: sdpa, or when auto chose sdpa, the first usable
-    of flash_attention_4/3/2 and flex_attention on GPU 0; None (and why) when there is no other."""
+    of flash_attention_4/3/2 on GPU 0; None (and why) when there is no other. flex_attention is never compared:
+    `auto` never chooses it (tasks/backends.py: transformers compiles it for every new input shape)."""
     from tasks.backends import candidates
 
     if auto is None:
@@ -135,10 +136,10 @@ def other_backend(auto: str | None, env) -> tuple[str | None, str]:
     if auto != "sdpa":
         return "sdpa", "auto chose another backend than sdpa"
     usable = [b for b in candidates(env.attention, env.gpus[:1], "bf16") if b != "sdpa"]
-    preferred = [b for b in ("flash_attention_4", "flash_attention_3", "flash_attention_2", "flex_attention")
-                 if b in usable]
+    preferred = [b for b in ("flash_attention_4", "flash_attention_3", "flash_attention_2") if b in usable]
     if not preferred:
-        return None, "auto chose sdpa and no other attention backend is installed and usable on GPU 0"
+        return None, ("auto chose sdpa and no other attention backend is installed and usable on GPU 0 (no "
+                      "flash-attention 2/3/4; flex_attention, which auto never chooses, is not compared)")
     return preferred[0], f"auto chose sdpa; {preferred[0]} is the first other usable backend"
 
 
