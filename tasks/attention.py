@@ -79,15 +79,14 @@ def _torch_varlen_call():
     return fn, {name: name in params for name in ("scale", "enable_gqa", "is_causal")}
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_len: int, scale: float, kernel: str, torch_varlen=None):
-    """Causal attention within each packed row. q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. `torch_varlen` is
-    `_torch_varlen_call()` (looked up here when not given)."""
+def varlen_attention(q, k, v, cu_seqlens, max_len: int, scale: float, kernel: str):
+    """Causal attention within each packed row. q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
     import torch
 
     if kernel in ("fa4", "fa3", "fa2"):
         return _flash_call(q, k, v, cu_seqlens, max_len, scale, kernel)
     if kernel == "torch_varlen":
-        fn, takes = torch_varlen or _torch_varlen_call()
+        fn, takes = _torch_varlen_resolved or _torch_varlen_call()  # the first: set by use_packed_attention
         gqa = q.shape[1] != k.shape[1]
         if gqa and not takes["enable_gqa"]:
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -131,8 +130,7 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     dtype = _kernel_dtype(query, value)
     q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))  # [T, H, D]
-    out = varlen_attention(q, k, v, cu.to(q.device, non_blocking=True), int(kwargs["max_length_q"]), scale, _kernel,
-                           _torch_varlen_resolved)
+    out = varlen_attention(q, k, v, cu.to(q.device, non_blocking=True), int(kwargs["max_length_q"]), scale, _kernel)
     return out.unsqueeze(0), None
 
 

@@ -136,6 +136,43 @@ def test_compiled_layers_call_the_flash_kernel_untraced(monkeypatch):
     assert calls == [(False, int, True)] * 2  # once per layer, outside the traced graph, with a Python-int length
 
 
+@pytest.mark.parametrize("torch_api", ["2.11", "2.12"])
+def test_torch_varlen_kernel_is_called_as_each_torch_version_spells_it(monkeypatch, torch_api):
+    """`torch.nn.attention.varlen.varlen_attn` is CUDA-only, and its keywords changed: torch 2.10/2.11 take
+    `is_causal` and always scale by 1/sqrt(head_dim), with no grouped-query support; 2.12 takes `scale`,
+    `enable_gqa` and a causal `window_size`. A stand-in of each signature (computing with the rows kernel) must give
+    the rows kernel's logits, the keywords worked out once when the kernel is chosen."""
+    from tasks import attention
+
+    seen = []
+    if torch_api == "2.11":
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False):
+            seen.append((query.shape[1] == key.shape[1], is_causal))  # heads repeated for it
+            return varlen_attention(query, key, value, cu_seq_q, max_q, query.shape[-1] ** -0.5, "rows")
+    else:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, enable_gqa=False,
+                        window_size=(-1, -1)):
+            seen.append((enable_gqa, window_size))
+            return varlen_attention(query, key, value, cu_seq_q, max_q, scale, "rows")
+
+    model, rows = tiny_qwen3(2), random_rows([5, 17, 9])
+    for layer in model.model.layers:
+        layer.self_attn.scaling = 0.2  # not 1/sqrt(16): the 2.11 path must rescale the queries itself
+    monkeypatch.setattr(attention, "_torch_varlen", lambda: varlen_attn)
+    attention._torch_varlen_call.cache_clear()
+    try:
+        with torch.no_grad():
+            use_packed_attention(model, "rows")
+            expected = model(**PackedCollator(0)([rows])).logits
+            use_packed_attention(model, "torch_varlen")
+            got = model(**PackedCollator(0)([rows])).logits
+    finally:
+        attention._torch_varlen_call.cache_clear()
+        use_packed_attention(model, "rows")
+    torch.testing.assert_close(got, expected)
+    assert seen == [(True, True)] * 2 if torch_api == "2.11" else seen == [(True, (-1, 0))] * 2
+
+
 def test_compiled_decoder_layers_compile_once_for_every_layer_and_packed_length():
     """Training compiles each decoder layer (tasks/train_worker.py compile_decoder_layers). The first layer's input
     comes from the frozen embedding; unless it requires grad like every later layer's input, Dynamo compiles the
