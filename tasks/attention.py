@@ -69,11 +69,10 @@ def _flash_attention(q, k, v, cu_seqlens, max_len: int, scale: float, kernel: st
 _flash_call = _flash_attention  # use_packed_attention() puts it out of torch.compile's reach
 
 
-@lru_cache(maxsize=None)
 def _torch_varlen_call():
-    """varlen_attn and the keywords this torch's signature takes, worked out once, outside torch.compile: the
-    compiled decoder layers trace only the call (inspecting a signature there is Python Dynamo would re-run on
-    every trace)."""
+    """varlen_attn and the keywords this torch's signature takes; use_packed_attention works them out once, outside
+    torch.compile, so the compiled decoder layers trace only the call (inspecting a signature there is Python
+    Dynamo would re-run on every trace)."""
     fn = _torch_varlen()
     params = inspect.signature(fn).parameters
     return fn, {name: name in params for name in ("scale", "enable_gqa", "is_causal")}

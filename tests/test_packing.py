@@ -159,7 +159,6 @@ def test_torch_varlen_kernel_is_called_as_each_torch_version_spells_it(monkeypat
     for layer in model.model.layers:
         layer.self_attn.scaling = 0.2  # not 1/sqrt(16): the 2.11 path must rescale the queries itself
     monkeypatch.setattr(attention, "_torch_varlen", lambda: varlen_attn)
-    attention._torch_varlen_call.cache_clear()
     try:
         with torch.no_grad():
             use_packed_attention(model, "rows")
@@ -167,7 +166,6 @@ def test_torch_varlen_kernel_is_called_as_each_torch_version_spells_it(monkeypat
             use_packed_attention(model, "torch_varlen")
             got = model(**PackedCollator(0)([rows])).logits
     finally:
-        attention._torch_varlen_call.cache_clear()
         use_packed_attention(model, "rows")
     torch.testing.assert_close(got, expected)
     assert seen == [(True, True)] * 2 if torch_api == "2.11" else seen == [(True, (-1, 0))] * 2
@@ -176,8 +174,8 @@ def test_torch_varlen_kernel_is_called_as_each_torch_version_spells_it(monkeypat
 def test_compiled_decoder_layers_compile_once_for_every_layer_and_packed_length():
     """Training compiles each decoder layer (tasks/train_worker.py compile_decoder_layers). The first layer's input
     comes from the frozen embedding; unless it requires grad like every later layer's input, Dynamo compiles the
-    layer twice (seen on the H200: ~100 s before the first step of a Qwen3-0.6B run). Dynamo's own backend, so no
-    kernels are built; a recompile is an error here."""
+    layer twice (on an H200 a Qwen3-0.6B run spent ~100 s compiling before its first step). Dynamo's own backend,
+    so no kernels are built; a recompile is an error here."""
     from peft import LoraConfig, get_peft_model
 
     from tasks.train_worker import compile_decoder_layers
