@@ -11,7 +11,8 @@ entropy floor ln 4 = 1.39. Both runs see the same rows and train for the same
 number of optimizer steps with the same effective batch (32 rows per step and GPU) and learning rate.
 
 Runs: `seed` (benchmarks/seed_recipe.py: the Transformers NVIDIA-GPU guide's QLoRA recipe), `ours` (the project's
-training worker, tasks/train_worker.py, with its defaults and memory planner), `ours-2gpu` (the same on two GPUs,
+training worker, tasks/train_worker.py, with its defaults and memory planner; `train.compile=true`, as `auto`
+compiles in a run long enough to repay it), `ours-2gpu` (the same on two GPUs,
 DDP), and `ours-<label>` variants with extra config overrides (`--variant label:key=value,key=value`; a label
 starting with `2gpu-` runs on two GPUs and gets its own `ddp_2gpu_scaling:<label>` beside `ours-<label>`). Each run is a
 fresh process; the device is synchronised at every step boundary; steady state skips the warm-up steps and takes
@@ -302,7 +303,9 @@ class Bench:
         from tasks.train import liger_setting, training_plan, upcast_setting
 
         _, base, _, _ = self.base_model(shape)
-        cfg = self.config(shape, overrides)
+        # A bench run is a few dozen steps of what stands for a long run, whose steady state it measures: there,
+        # train.compile=auto compiles the layers after its first steps (tasks/compiling.py); here it never would.
+        cfg = self.config(shape, ["train.compile=true", *overrides])
         ids = self.gpu_ids[:gpus]
         sel = selection_for(",".join(map(str, ids)) if ids else "cpu", self.env.gpus)
         plan, _ = measured_plan(cfg, self.env, sel, self.state / "work" / shape)  # as a flow run plans it

@@ -34,7 +34,8 @@ STEP_LIBRARIES: dict[str, tuple[str, ...]] = {
 STEP_CODE: dict[str, tuple[str, ...]] = {
     "prepare-dataset": ("dataset", "demo_data"),
     "quantize-base-model": ("quantize", "models"),
-    "train-adapter": ("train", "train_worker", "packing", "attention", "planner", "distributed", "sharding"),
+    "train-adapter": ("train", "train_worker", "packing", "attention", "planner", "distributed", "sharding",
+                      "compiling", "dequantize"),
     "evaluate-adapter": ("evaluate", "eval_worker", "metrics", "generation", "dequantize"),
     "evaluate-checkpoint": ("evaluate", "eval_worker", "metrics", "generation", "dequantize"),
     "merge-adapter": ("export", "dequantize"),

@@ -111,6 +111,7 @@ class TrainingPlan(BaseModel):
     reasons: list[str]
     dequantize_base: bool = False  # hold the NF4 weights dequantized (the same numbers, no per-call dequant)
     compile_layers: bool = False  # torch.compile each decoder layer (fused elementwise, fewer launches)
+    compile_deferred: bool = False  # ... only once the first steps show the run repays it (tasks/compiling.py)
 
 
 def _linear_bytes_per_param(four_bit: bool, dtype_bytes: int) -> float:
@@ -156,9 +157,10 @@ def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
                   four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
                   dtype_bytes: int = 2, upcast: bool = True, per_device_rows: int = 8,
                   accumulation: int = 1, dequantize: bool = False,
-                  compile_layers: bool = False, shards: int = 1) -> TrainingPlan:
+                  compile_layers: bool = False, compile_deferred: bool = False, shards: int = 1) -> TrainingPlan:
     """Choose micro-batch size, accumulation, checkpointing and whether to hold the base dequantized (asked for by
-    `dequantize`, kept 4-bit where the dequantized base would not fit the budget)."""
+    `dequantize`, kept 4-bit where the dequantized base would not fit the budget). Compiled layers need the
+    dequantized base; `compile_deferred` compiles them only once the first steps show the run repays it."""
     plan = _plan_batches(shape, free_mib=free_mib, max_row=max_row, mean_row=mean_row, rows_per_step=rows_per_step,
                          packing=packing, micro_batch_tokens=micro_batch_tokens, checkpointing=checkpointing,
                          four_bit=four_bit, lora_r=lora_r, lora_targets=lora_targets, fused_ce=fused_ce,
@@ -168,7 +170,8 @@ def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
         if compile_layers and four_bit:
             plan.reasons.append("decoder layers not compiled: the 4-bit matmuls cannot be (train.dequantize_base "
                                 "makes them plain ones)")
-        return plan.model_copy(update={"compile_layers": compile_layers and not four_bit})
+        return plan.model_copy(update={"compile_layers": compile_layers and not four_bit,
+                                       "compile_deferred": compile_layers and not four_bit and compile_deferred})
     tokens = plan.micro_batch_tokens or plan.micro_batch_rows * max_row
     peak = peak_bytes(shape, tokens, checkpointing=plan.gradient_checkpointing, four_bit=False, lora_r=lora_r,
                       lora_targets=lora_targets, fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast,
@@ -182,8 +185,11 @@ def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
                         "multiplies by, without dequantizing them again on every call"
                         + (f" ({peak / GIB:.1f} GiB predicted)" if budget is not None else ""))
     if compile_layers:
-        plan.reasons.append("decoder layers compiled (torch.compile, dynamic shapes)")
+        plan.reasons.append("decoder layers compiled (torch.compile, dynamic shapes)" + (
+            " once the first steps' measured time shows the rest of the run repays the compilation "
+            "(train.compile=auto; true compiles before the first step)" if compile_deferred else ""))
     return plan.model_copy(update={"dequantize_base": True, "compile_layers": compile_layers,
+                                   "compile_deferred": compile_layers and compile_deferred,
                                    "predicted_peak_gib": round(peak / GIB, 2)})
 
 

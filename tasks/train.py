@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tasks.attempts import run_attempts, split_limit, whole_run
+from tasks.compiling import RECORD as COMPILE_RECORD
 from tasks.concurrency import device_slots
 from tasks.config import FinetuneConfig
 from tasks.dataset import PreparedDataset
@@ -22,7 +23,7 @@ from tasks.environment import Plan
 from tasks.errors import UserInputError, retry_unless_user_error
 from tasks.fingerprint import combine, step_versions
 from tasks.gpus import GpuSelection
-from tasks.launcher import compile_caches, run_logger, run_worker, write_job
+from tasks.launcher import compile_caches, compile_root, run_logger, run_worker, write_job
 from tasks.planner import ModelShape, TrainingPlan, plan_training
 from tasks.preflight import check_lora_targets
 from tasks.progress import ProgressReporter
@@ -77,6 +78,8 @@ class TrainResult(BaseModel):
     last_attempt_tokens: int | None = None
     last_attempt_seconds: float | None = None
     last_attempt_tokens_per_second: float | None = None
+    compiled_at_step: int | None = None  # decoder layers compiled before this step (0: from the start; None: eager)
+    compile_seconds: float | None = None  # measured, where train.compile=auto compiled during the run
     peak_process_memory_mb: float | None = None  # max over ranks: the process's GPU memory as NVML sees it
     attempts: list[dict[str, Any]] = []  # every attempt: outcome, split, resumed from, steps, tokens, seconds
     oom_adaptations: list[dict[str, Any]] = []  # each out-of-memory attempt and the split it led to
@@ -124,7 +127,8 @@ def dequantize_setting(cfg: FinetuneConfig, plan: Plan) -> bool:
 
 
 def compile_setting(cfg: FinetuneConfig, plan: Plan) -> bool:
-    """`auto`: wherever the base is held dequantized on an NVIDIA GPU (compiling needs it: tasks/planner.py)."""
+    """`auto`: wherever the base is held dequantized on an NVIDIA GPU (compiling needs it: tasks/planner.py), once
+    the first steps show the run repays the compilation (tasks/compiling.py)."""
     want = cfg.train.compile
     return want is True or (want == "auto" and plan.device == "cuda" and dequantize_setting(cfg, plan))
 
@@ -152,7 +156,7 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             fused_ce=liger_setting(cfg, plan), dtype_bytes=2 if plan.compute_dtype != "float32" else 4,
             upcast=upcast_setting(cfg), per_device_rows=t.per_device_batch_size,
             accumulation=t.gradient_accumulation_steps, dequantize=dequantize_setting(cfg, plan),
-            compile_layers=compile_setting(cfg, plan),
+            compile_layers=compile_setting(cfg, plan), compile_deferred=cfg.train.compile == "auto",
             shards=world_size(cfg, plan) if plan.strategy == "fsdp" else 1)
     except ValueError as exc:
         raise UserInputError(f"training plan: {exc}") from None
@@ -202,7 +206,8 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
         job = write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
                         base=str(base.path), data=str(data.path), load_in_4bit=base.load_in_4bit,
                         fingerprint=entry.key, training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
-                        upcast_frozen=upcast_setting(cfg), micro_batch_split=split)
+                        upcast_frozen=upcast_setting(cfg), micro_batch_split=split,
+                        compile_record=str(compile_root(cfg.cache_root, gpus) / COMPILE_RECORD))
         with ProgressReporter(cfg.train.max_steps) as progress:
             run_worker("train", train_command(cfg, plan, job, entry.key),
                        {**gpus.env, **STABLE_HASHES, **compile_caches(cfg.cache_root, gpus)}, out,

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tasks.compiling import compile_decoder_layers, compile_when_it_pays
 from tasks.config import FinetuneConfig
 from tasks.dataset import IGNORE_INDEX, load_split
 from tasks.distributed import checkpoint_step, gather, is_writer, prepare_ranks
@@ -98,16 +99,17 @@ def last_checkpoint(ckpt_dir: Path) -> Path | None:
 class StepClock:
     """Per-step wall time and real tokens, with the device synchronised at each step boundary.
 
-    A step during which a checkpoint was saved is marked so the steady-state figure can leave it out.
+    A step during which a checkpoint was saved or the decoder layers compiled is marked, so the steady-state figure
+    can leave it out.
     """
 
     def __init__(self, collator, sync):
         self.collator = collator
         self.sync = sync
-        self.steps: list[tuple[int, float, int, bool]] = []  # (step, seconds, tokens, had_save)
+        self.steps: list[tuple[int, float, int, bool]] = []  # (step, seconds, tokens, excluded)
         self._t = None
         self._tokens = 0
-        self._saved = False
+        self._excluded = False
 
     def start(self) -> None:
         self.sync()
@@ -118,17 +120,20 @@ class StepClock:
         self.sync()
         now = time.perf_counter()
         if self._t is not None:
-            self.steps.append((step, now - self._t, self.collator.tokens - self._tokens, self._saved))
-        self._t, self._tokens, self._saved = now, self.collator.tokens, False
+            self.steps.append((step, now - self._t, self.collator.tokens - self._tokens, self._excluded))
+        self._t, self._tokens, self._excluded = now, self.collator.tokens, False
 
-    def saved(self) -> None:
-        self._saved = True  # the save happens after step_end: it lands in the next step's interval
+    def exclude(self) -> None:
+        """Called after a step's end for work done before the next one (a save, a compilation): it lands in the
+        next step's interval."""
+        self._excluded = True
 
 
 def steady_state(per_step: list[tuple[int, float, int, bool]], world_tokens_factor: float, warmup: int,
                  window: int = 5) -> dict[str, float | int | None]:
-    """Median and spread of tokens/s over windows of `window` steps after `warmup`, without save steps."""
-    steady = [(s, sec, tok) for s, sec, tok, saved in per_step if s > warmup and not saved]
+    """Median and spread of tokens/s over windows of `window` steps after `warmup`, without the excluded steps
+    (saves, compilation)."""
+    steady = [(s, sec, tok) for s, sec, tok, excluded in per_step if s > warmup and not excluded]
     windows = [steady[i:i + window] for i in range(0, len(steady) - window + 1, window)]
     rates = [sum(t for _, _, t in w) * world_tokens_factor / sum(sec for _, sec, _ in w) for w in windows]
     if not rates:
@@ -167,7 +172,7 @@ def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: f
                            grad_norm=logs.get("grad_norm"), **self._pace(args, state))
 
         def on_save(self, args, state, control, **kwargs):
-            clock.saved()
+            clock.exclude()
             if state.is_world_process_zero or (args.save_on_each_node and state.is_local_process_zero):
                 ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
                 if ckpt.is_dir():
@@ -211,19 +216,9 @@ def build_model(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, base_path:
         target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM",
     ))
     model.config.use_cache = False
-    if tplan.compile_layers:
+    if tplan.compile_layers and not tplan.compile_deferred:
         compile_decoder_layers(model)
     return model
-
-
-def compile_decoder_layers(model, **compile_options) -> None:
-    """torch.compile each decoder layer of the PEFT model: one graph serves every layer and any packed length.
-    The frozen embedding's output does not require grad while every later layer's input does, and Dynamo guards on
-    that, so the first layer alone would be compiled again (a recompile on "hidden_states requires_grad mismatch",
-    which doubled the compilation); its input is made to require grad, at the cost of one input gradient more."""
-    model.enable_input_require_grads()
-    for layer in model.get_base_model().model.layers:
-        layer.compile(dynamic=True, **compile_options)
 
 
 # ---------------------------------------------------------------- the rank body
@@ -308,6 +303,12 @@ def _train(job: dict) -> dict | None:
     started = time.perf_counter()
     clock = StepClock(collator, torch.cuda.synchronize if on_gpu else (lambda: None))
     trainer.add_callback(_callbacks(batch_args["max_steps"], collator, clock, out, started))
+    deferred = None
+    if tplan.compile_layers and tplan.compile_deferred:  # after the callback that feeds the clock
+        record = job.get("compile_record")
+        deferred = compile_when_it_pays(model, clock, Path(record) if record else None, gather,
+                                        lambda line: trainer.is_world_process_zero() and print(line, flush=True))
+        trainer.add_callback(deferred)
     shared, resume = prepare_ranks(trainer, out)  # who writes, where to resume from: tasks/distributed.py
     # read now: with save_total_limit, the checkpoint resumed from is rotated out during training
     resumed_from = checkpoint_step(resume) if resume is not None else None
@@ -323,7 +324,8 @@ def _train(job: dict) -> dict | None:
               f"checkpointing {'on' if tplan.gradient_checkpointing else 'off'}; "
               f"liger {'on' if use_liger else 'off'}; frozen weights in {'fp32' if upcast else plan.compute_dtype}"
               + ("; NF4 base dequantized" if tplan.dequantize_base else "")
-              + ("; decoder layers compiled" if tplan.compile_layers else ""),
+              + ("" if not tplan.compile_layers else "; decoder layers compiled" if deferred is None else
+                 "; decoder layers compiled if the first steps show the run repays it (train.compile=auto)"),
               flush=True)
         if resume is not None:
             print(f"resuming from {resume.name} (optimizer, scheduler and RNG state restored)", flush=True)
@@ -378,6 +380,8 @@ def _train(job: dict) -> dict | None:
         devices=[r["device_name"] for r in records], rank_tokens=[r["tokens"] for r in records],
         rank_param_mb=[round(r["param_mb"], 3) for r in records],
         training_plan=tplan.model_dump(), micro_batch_split=split, layout=layout, strategy=plan.strategy,
+        **(deferred.summary() if deferred is not None else
+           {"compiled_at_step": 0 if tplan.compile_layers else None, "compile_seconds": None}),
     )
     tmp_metrics = out / ".train_metrics.json.tmp"
     tmp_metrics.write_text(json.dumps(result, indent=2))

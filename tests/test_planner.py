@@ -94,6 +94,20 @@ def test_dequantized_base_is_held_where_it_fits_and_kept_4bit_where_it_does_not(
     assert not plan("qwen3-0.6b", GPUS["H200-141GB"]).dequantize_base  # only when asked for
 
 
+def test_auto_compilation_waits_for_the_first_steps_and_never_outlives_the_compilation_itself():
+    deferred = plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, compile_layers=True, compile_deferred=True)
+    assert deferred.compile_layers and deferred.compile_deferred
+    assert any("compiled (torch.compile, dynamic shapes) once the first steps' measured time shows" in r
+               for r in deferred.reasons)
+    at_once = plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, compile_layers=True)  # train.compile=true
+    assert at_once.compile_layers and not at_once.compile_deferred
+    kept = plan("qwen3-8b", GPUS["RTX4090-24GB"], dequantize=True, compile_layers=True, compile_deferred=True)
+    assert not kept.compile_layers and not kept.compile_deferred  # a 4-bit base is not compiled, now or later
+    plain = plan("qwen3-0.6b", GPUS["H200-141GB"], four_bit=False, compile_layers=True, compile_deferred=True)
+    assert plain.compile_layers and plain.compile_deferred  # a bf16 base compiles like a dequantized one
+    assert not plan("qwen3-0.6b", GPUS["H200-141GB"], compile_deferred=True).compile_deferred  # nothing to defer
+
+
 def test_dequantized_base_costs_its_bf16_weights_in_the_prediction():
     kept = plan("qwen3-8b", GPUS["H200-141GB"])
     held = plan("qwen3-8b", GPUS["H200-141GB"], dequantize=True)

@@ -1,0 +1,111 @@
+"""train.compile=auto: the decoder layers start eager and are compiled once the measured steps show that the rest of
+the run repays the compilation (tasks/compiling.py). The decision, the record of what compiling took, and the real
+thing: a Trainer on the CPU whose layers are compiled mid-run (Dynamo's own backend, so no kernels are built)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from tasks import compiling
+from tasks.attention import use_packed_attention
+from tasks.distributed import gather
+from tasks.packing import PackedCollator
+from tasks.train_worker import StepClock, _callbacks, steady_state
+from tests.test_packing import random_rows, tiny_qwen3
+
+
+def test_a_run_compiles_only_when_the_steps_left_repay_the_compilation():
+    # the GPU proof's flow on the H200: 0.32 s eager steps; 54 steps left save ~5 s, far from a ~90 s compilation
+    worth, why = compiling.decide([0.31, 0.32, 0.33, 0.32, 0.35], 54, None)
+    assert not worth
+    assert why == ("54 steps left x 0.320 s eager = 17 s; compiled (1.45x) that saves 5 s <= 90 s to compile "
+                   "(assumed: none measured on this GPU model yet)")
+    # the same steps for 1,000 steps repay it; a measured (warm-cache) cost is used where there is one
+    assert compiling.decide([0.32] * 5, 1000, None)[0]
+    worth, why = compiling.decide([0.32] * 5, 200, 15.0)
+    assert worth and why.endswith("20 s > 15 s to compile (last measured on this GPU model)")
+    assert not compiling.decide([0.32] * 5, 200, 25.0)[0]
+
+
+def test_the_measured_compilation_is_recorded_atomically_per_layer_and_torch_version(tmp_path):
+    record = tmp_path / "compile" / "NVIDIA-H200-sm90" / compiling.RECORD
+    assert compiling.recorded_cost(record, "qwen3-1024-torch2.11") is None  # nothing measured yet
+    assert compiling.recorded_cost(None, "qwen3-1024-torch2.11") is None  # no cache folder given
+    compiling.record_cost(record, "qwen3-1024-torch2.11", 55.47)
+    compiling.record_cost(record, "llama-4096-torch2.11", 80.0)
+    assert compiling.recorded_cost(record, "qwen3-1024-torch2.11") == 55.5
+    assert json.loads(record.read_text()) == {"llama-4096-torch2.11": 80.0, "qwen3-1024-torch2.11": 55.5}
+    assert [p.name for p in record.parent.iterdir()] == [compiling.RECORD]  # no temporary file left behind
+    record.write_text('{"qwen3-1024-torch2.11": ')  # a torn file from elsewhere is no measurement
+    assert compiling.recorded_cost(record, "qwen3-1024-torch2.11") is None
+    compiling.record_cost(record, "qwen3-1024-torch2.11", 12.0)
+    assert json.loads(record.read_text()) == {"qwen3-1024-torch2.11": 12.0}
+
+
+def train_tiny(tmp_path, steps: int, recorded: float | None):
+    """A real Trainer on packed micro-batches with the `auto` callback as the training worker adds it; the layers'
+    compilation on Dynamo's eager backend. Returns (callback, clock, lines it printed, model, record)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    model = get_peft_model(tiny_qwen3(2).train(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                           target_modules="all-linear", task_type="CAUSAL_LM"))
+    model.config.use_cache = False
+    use_packed_attention(model, "rows")
+    record = tmp_path / compiling.RECORD
+    key = compiling.layer_key(model.config)
+    if recorded is not None:
+        compiling.record_cost(record, key, recorded)
+    packs = [random_rows([5 + i % 7, 17, 9 + i % 3], seed=i) for i in range(steps)]
+    collator = PackedCollator(0)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=1, max_steps=steps,
+                             learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no", logging_steps=5,
+                             disable_tqdm=True, remove_unused_columns=False, train_sampling_strategy="sequential")
+    trainer = Trainer(model=model, args=args, train_dataset=packs, data_collator=collator)
+    clock = StepClock(collator, lambda: None)
+    trainer.add_callback(_callbacks(steps, collator, clock, tmp_path, time.perf_counter()))
+    lines: list[str] = []
+    callback = compiling.compile_when_it_pays(model, clock, record, gather, lines.append, backend="eager")
+    trainer.add_callback(callback)
+    torch._dynamo.reset()
+    try:
+        trainer.train()
+    finally:
+        torch._dynamo.reset()
+    return callback, clock, lines, model, record
+
+
+def compiled(model) -> bool:
+    return all(layer._compiled_call_impl is not None for layer in model.get_base_model().model.layers)
+
+
+@pytest.mark.parametrize("steps,recorded,compiles", [
+    (12, 0.0, True),  # compiling measured as free on this "GPU": worth it at once
+    (12, 1e6, False),  # a compilation that 6 steps cannot repay
+])
+def test_auto_compiles_the_layers_mid_run_only_when_it_pays_and_records_what_it_took(tmp_path, steps, recorded,
+                                                                                     compiles):
+    callback, clock, lines, model, record = train_tiny(tmp_path, steps, recorded)
+    # decided after the attempt's first step and MEASURE_STEPS timed eager ones: at step 6 of 12
+    decided_at = 1 + compiling.MEASURE_STEPS
+    assert lines[0].startswith(f"train.compile=auto at step {decided_at}: {steps - decided_at} steps left x ")
+    assert compiled(model) is compiles
+    excluded = [step for step, _, _, excluded in clock.steps if excluded]
+    if compiles:
+        assert lines[0].endswith("(last measured on this GPU model): compiling the decoder layers now")
+        assert callback.summary()["compiled_at_step"] == decided_at
+        cost = callback.summary()["compile_seconds"]
+        assert cost is not None and cost >= 0 and lines[1].startswith("decoder layers compiled in ")
+        assert compiling.recorded_cost(record, compiling.layer_key(model.config)) == round(cost, 1)
+        assert excluded == [decided_at + 1]  # the step that compiled is not steady state
+    else:
+        assert lines == [lines[0]] and lines[0].endswith(": the layers stay eager")
+        assert callback.summary() == {"compiled_at_step": None, "compile_seconds": None}
+        assert compiling.recorded_cost(record, compiling.layer_key(model.config)) == 1e6  # nothing new measured
+        assert excluded == []
+    assert [step for step, *_ in clock.steps] == list(range(1, steps + 1))
+    assert steady_state(clock.steps, 1.0, 2)["steps"] == steps - 2 - len(excluded)
