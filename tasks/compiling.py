@@ -17,6 +17,7 @@ and records it for the next one. `train.compile=true` compiles before the first 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import statistics
@@ -50,23 +51,31 @@ def layer_key(model_config) -> str:
 
 
 def recorded_cost(record: Path | None, key: str) -> float | None:
+    if record is None:
+        return None
     try:
         return float(json.loads(record.read_text())[key])
-    except (AttributeError, OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def record_cost(record: Path, key: str, seconds: float) -> None:
-    """Atomically, so concurrent runs on one cache read a whole file (the last measurement wins)."""
-    try:
-        data = json.loads(record.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[key] = round(seconds, 1)
+    """One writer at a time (an exclusive lock on the record's folder, so concurrent runs on one cache keep each
+    other's keys), written atomically (readers see a whole file; the last measurement of a key wins)."""
+    from tasks.store import write_atomic
+
     record.parent.mkdir(parents=True, exist_ok=True)
-    tmp = record.with_name(f".{record.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, record)
+    folder = os.open(record.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)  # released when closed, also if this process dies
+        try:
+            data = json.loads(record.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[key] = round(seconds, 1)
+        write_atomic(record, json.dumps(data, indent=1, sort_keys=True))
+    finally:
+        os.close(folder)
 
 
 def decide(eager_seconds: list[float], steps_left: int, cost: float | None) -> tuple[bool, str]:

@@ -305,9 +305,12 @@ def _train(job: dict) -> dict | None:
     trainer.add_callback(_callbacks(batch_args["max_steps"], collator, clock, out, started))
     deferred = None
     if tplan.compile_layers and tplan.compile_deferred:  # after the callback that feeds the clock
+        def say(line: str) -> None:
+            if trainer.is_world_process_zero():
+                print(line, flush=True)
+
         record = job.get("compile_record")
-        deferred = compile_when_it_pays(model, clock, Path(record) if record else None, gather,
-                                        lambda line: trainer.is_world_process_zero() and print(line, flush=True))
+        deferred = compile_when_it_pays(model, clock, Path(record) if record else None, gather, say)
         trainer.add_callback(deferred)
     shared, resume = prepare_ranks(trainer, out)  # who writes, where to resume from: tasks/distributed.py
     # read now: with save_total_limit, the checkpoint resumed from is rotated out during training

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +110,24 @@ def test_auto_compiles_the_layers_mid_run_only_when_it_pays_and_records_what_it_
         assert excluded == []
     assert [step for step, *_ in clock.steps] == list(range(1, steps + 1))
     assert steady_state(clock.steps, 1.0, 2)["steps"] == steps - 2 - len(excluded)
+
+
+def _record_many(record: str, prefix: str) -> None:
+    for i in range(40):
+        compiling.record_cost(Path(record), f"{prefix}-{i}", float(i))
+
+
+def test_runs_recording_at_once_keep_each_others_measurements(tmp_path):
+    """Runs on one cache record compile times at the same time: each write is a read-modify-write of one file, so
+    without one writer at a time a run's key can vanish under another's rename."""
+    import multiprocessing
+
+    record = tmp_path / compiling.RECORD
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_record_many, args=(str(record), f"run{n}")) for n in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert len(json.loads(record.read_text())) == 3 * 40
