@@ -356,11 +356,12 @@ class ExportConfig(Section):
         8, ge=1, description="Held-out prompts on which the merged model's logits are compared with base + adapter."
     )
     max_logit_error: float = Field(
-        0.25, gt=0,
+        0.5, gt=0,
         description="Largest accepted logit difference between the merged model and base + adapter, relative to "
-        "the spread (standard deviation) of base + adapter's logits; the export fails above it. Measured on the "
-        "demo model: 0.08 for a bf16 merge, 2.4 for the same adapter merged into the original (not the 4-bit) "
-        "weights, 4.6 without the adapter.",
+        "the spread (standard deviation) of base + adapter's logits; the export fails above it. Measured for "
+        "correct bf16 merges: 0.08 on the demo model (CPU), 0.14 to 0.29 on the Qwen3-0.6B shape (H200, the top "
+        "token the same at >= 99.3% of positions), the rounding of the merged weights to bf16; for wrong ones, "
+        "on the demo model: 2.4 for the adapter merged into the original (not the 4-bit) weights, 4.6 without it.",
     )
 
 
