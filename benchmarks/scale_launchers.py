@@ -43,7 +43,7 @@ from benchmarks.scale_out import (
     config, fresh, head_lines, host_hardware, loss_difference, metrics_row, quantized_base, resolved, train_job,
     workload_dataset)
 from benchmarks.train_speed import MemoryPoller, gpu_name
-from tasks.train import STABLE_HASHES
+from tasks.launcher import STABLE_HASHES
 
 LAUNCHERS = ("host", "torchrun-2node", "ray-2node")
 NODES = 2

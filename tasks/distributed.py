@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,10 +76,26 @@ def torchrun_command(module: str, job_path: Path, cfg: FinetuneConfig, plan: Pla
 
 
 def train_command(cfg: FinetuneConfig, plan: Plan, job_path: Path, run_id: str) -> list[str]:
-    """The process the training step starts: torchrun of the rank body, or the Ray Train driver."""
+    """The process the training step starts: torchrun of the rank body, the Ray Train driver, or for one CPU rank
+    the rank body itself (it sets up what torchrun would give it, `single_rank_defaults`), which the launcher can
+    fork from its pre-imported fork server (tasks/forkserver.py) instead of starting two fresh interpreters."""
     if cfg.hardware.launcher == "ray":
         return [sys.executable, "-m", "tasks.ray_train", str(job_path)]
+    if plan.device == "cpu" and plan.nproc == 1 and cfg.hardware.nodes == 1:
+        return [sys.executable, "-m", "tasks.train_worker", str(job_path)]
     return torchrun_command("tasks.train_worker", job_path, cfg, plan, run_id)
+
+
+def single_rank_defaults() -> None:
+    """A rank started without torchrun (one CPU rank, or by hand) gets the variables torchrun would set for a world
+    of one: rank 0 of 1, hosting the process group's store on a free local port."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:  # the port is free now; torchrun --standalone picks its port the same way
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 
 
 # ------------------------------------------------------------------ inside the ranks

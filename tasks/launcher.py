@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from tasks import forkserver
 from tasks.errors import DiskFull, UserInputError, WorkerFailed, WorkerInterrupted, WorkerOOM
 from tasks.lifecycle import (
     EXIT_CODES, GRACE_ENV, LAUNCHER_ENV, classify, die_with_launcher, failure_path, preexec_die_with, report_failure,
@@ -39,6 +40,10 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EVENT_PREFIX = "@@event "
 DEFAULT_STOP_GRACE = 25.0  # below the 30 s a Prefect worker waits after SIGTERM before it SIGKILLs a flow run
 FAILURE_ORDER = ("user_error", "disk_full", "oom", "interrupted")  # the most telling cause first
+# Every worker hashes strings the same way: PEFT writes `all-linear` target modules from a set, and with a fixed hash
+# seed adapter_config.json is byte-stable, so one config trains one adapter, byte for byte (and its evaluation has
+# one cache key). One value for every step also lets one fork server serve them all (tasks/forkserver.py).
+STABLE_HASHES = {"PYTHONHASHSEED": "0"}
 
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
@@ -61,6 +66,7 @@ def worker_env(gpu_env: dict[str, str]) -> dict[str, str]:
 
     env = worker_environment(dict(os.environ))
     env.update(gpu_env)
+    env.update(STABLE_HASHES)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("TQDM_DISABLE", "1")  # progress comes back as events, not bars
@@ -180,7 +186,7 @@ class WorkerOutput:
                 pass
 
 
-def stop_worker(proc: subprocess.Popen, members: set[ProcessId], grace: float, output: WorkerOutput, logger) -> None:
+def stop_worker(proc: subprocess.Popen | forkserver.ForkedWorker, members: set[ProcessId], grace: float, output: WorkerOutput, logger) -> None:
     """SIGTERM to the worker's group and every process below it, SIGKILL after `grace` s; wait until all are gone."""
     current = set(tree(proc.pid)) if proc.poll() is None else set()  # an exited PID may be reused already
     members = {m for m in members | current if m.is_running()}
@@ -224,13 +230,8 @@ def run_worker(
     env = worker_env(gpu_env)
     env[LAUNCHER_ENV] = str(ProcessId.of(os.getpid()))
     env[GRACE_ENV] = str(stop_grace)
-    logger.info("starting %s worker: %s (CUDA_VISIBLE_DEVICES=%r)", step, " ".join(argv),
-                gpu_env.get("CUDA_VISIBLE_DEVICES"))
     output = WorkerOutput(step, workdir / f"{step}.log", logger, on_event)
-    proc = subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=os.getcwd(),
-        start_new_session=True, preexec_fn=preexec_die_with(os.getpid()),
-    )
+    proc = start_worker(step, argv, env, logger)
     members: set[ProcessId] = set()
 
     def remember_members() -> None:  # ranks that outlive a dead torchrun are found through this list
@@ -249,6 +250,26 @@ def run_worker(
         record.unlink(missing_ok=True)
     _raise_failure(step, rc, workdir, output)
     return json.loads(result_path.read_text())
+
+
+def start_worker(step: str, argv: list[str], env: dict[str, str], logger) -> subprocess.Popen | forkserver.ForkedWorker:
+    """A fresh process for `argv`, or for a CPU worker of a small step a fork of the pre-imported fork server
+    (tasks/forkserver.py): the same module, arguments, environment and working directory either way."""
+    cwd = os.getcwd()
+    if argv[:2] == [sys.executable, "-m"] and len(argv) == 4 and forkserver.wanted(argv[2], env):
+        try:
+            proc = forkserver.spawn(argv[2], argv[3:], env, cwd)
+            logger.info("starting %s worker: %s (CUDA_VISIBLE_DEVICES=%r; forked from the fork server, pid %s)", step,
+                        " ".join(argv), env.get("CUDA_VISIBLE_DEVICES"), proc.server.proc.pid)
+            return proc
+        except (OSError, RuntimeError) as exc:
+            logger.warning("the fork server could not start the %s worker (%s): starting a fresh process", step, exc)
+    logger.info("starting %s worker: %s (CUDA_VISIBLE_DEVICES=%r)", step, " ".join(argv),
+                env.get("CUDA_VISIBLE_DEVICES"))
+    return subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=cwd,
+        start_new_session=True, preexec_fn=preexec_die_with(os.getpid()),
+    )
 
 
 def _write_quietly(record: Path, pid: int) -> None:

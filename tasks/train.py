@@ -38,9 +38,6 @@ from tasks.train_worker import last_checkpoint
 # not change the trained weights.
 TRAIN_KEYS_NOT_IN_CACHE_KEY = frozenset({"logging_steps", "save_steps", "save_total_limit", "retries",
                                          "retry_delay_seconds"})
-# PEFT writes `all-linear` target modules from a set: with a fixed hash seed adapter_config.json is byte-stable,
-# so one config trains one adapter, byte for byte (and its evaluation has one cache key).
-STABLE_HASHES = {"PYTHONHASHSEED": "0"}
 # What a finished entry holds; checkpoints stay beside it (a later attempt resumes from them) but are not part
 # of the output.
 TRAIN_OUTPUTS = ("adapter", "train_metrics.json")
@@ -210,7 +207,7 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
                         compile_record=str(compile_root(cfg.cache_root, gpus) / COMPILE_RECORD))
         with ProgressReporter(cfg.train.max_steps) as progress:
             run_worker("train", train_command(cfg, plan, job, entry.key),
-                       {**gpus.env, **STABLE_HASHES, **compile_caches(cfg.cache_root, gpus)}, out,
+                       {**gpus.env, **compile_caches(cfg.cache_root, gpus)}, out,
                        on_event=lambda event: (observe(event), progress(event)),
                        stop_grace=cfg.hardware.stop_grace_seconds)
 

@@ -21,7 +21,7 @@ from typing import Any
 from tasks.compiling import compile_decoder_layers, compile_when_it_pays
 from tasks.config import FinetuneConfig
 from tasks.dataset import IGNORE_INDEX, load_split
-from tasks.distributed import checkpoint_step, gather, is_writer, prepare_ranks
+from tasks.distributed import checkpoint_step, gather, is_writer, prepare_ranks, single_rank_defaults
 from tasks.environment import Plan
 from tasks.launcher import emit_event, worker_main
 from tasks.lifecycle import training_callback
@@ -408,4 +408,5 @@ def _torchrun_rank(job: dict) -> dict | None:
 
 
 if __name__ == "__main__":
+    single_rank_defaults()  # one CPU rank runs without torchrun (tasks.distributed.train_command)
     worker_main(_torchrun_rank)

@@ -23,6 +23,12 @@ def _run(job: dict) -> dict | None:
     workdir = Path(job["workdir"])
     if do == "result":
         return {"ok": True, "rank": os.environ.get("RANK")}
+    if do == "describe":  # what the worker got: tests/test_lifecycle.py compares fresh and forked workers
+        return {"pid": os.getpid(), "ppid": os.getppid(), "session": os.getsid(0), "cwd": os.getcwd(),
+                "argv": sys.argv, "env": {k: os.environ.get(k) for k in job["keys"]}, "torch": "torch" in sys.modules}
+    if do == "exit":
+        sys.stdout.flush()
+        os._exit(int(job["code"]))
     if do == "compile":  # torch.compile on the CPU: inductor writes its kernels where the environment says
         import torch
         from torch._inductor.runtime.cache_dir_utils import cache_dir

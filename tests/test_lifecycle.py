@@ -7,6 +7,7 @@ PID is never trusted without its start time, and that the reason a worker failed
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,11 +19,12 @@ from pathlib import Path
 import pytest
 
 from conftest import child_env
+from tasks import forkserver
 from tasks.errors import UserInputError, WorkerFailed, WorkerOOM
 from tasks.gpus import GpuInfo, GpuSelection
 from tasks.launcher import (COMPILE_CACHES, compile_caches, python_module, run_worker, torchrun_module, worker_env,
                             write_job)
-from tasks.processes import ProcessId, read_record, remove_stale_records, write_record
+from tasks.processes import ProcessId, parent_of, read_record, remove_stale_records, write_record
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,10 +39,68 @@ def wait_for(path: Path, timeout: float = 120) -> ProcessId:
     raise TimeoutError(f"{path} never named a running process")
 
 
-def test_result_comes_back_and_no_records_are_left(tmp_path):
+FORKED_WORKER_SETUP = "from tasks import forkserver; forkserver.FORKABLE += ('tests.fault_worker',); "
+
+
+@pytest.fixture(params=["fresh", "forked"])
+def cpu_env(request, monkeypatch) -> dict[str, str]:
+    """A CPU worker's GPU environment, with the worker started as a fresh process or forked from the fork server
+    (tasks/forkserver.py, which CPU workers of the pipeline's steps use): the launcher's guarantees hold for both."""
+    if request.param == "forked":
+        monkeypatch.setattr(forkserver, "FORKABLE", (*forkserver.FORKABLE, "tests.fault_worker"))
+    else:
+        monkeypatch.setenv(forkserver.SWITCH_ENV, "0")
+    return {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_result_comes_back_and_no_records_are_left(tmp_path, cpu_env):
     job = write_job(tmp_path, "probe", do="result")
-    assert run_worker("probe", python_module("tests.fault_worker", job), {}, tmp_path) == {"ok": True, "rank": None}
+    assert run_worker("probe", python_module("tests.fault_worker", job), cpu_env, tmp_path) == {"ok": True,
+                                                                                                "rank": None}
     assert not (tmp_path / "probe.pid").exists()
+
+
+def test_a_forked_worker_gets_what_a_fresh_one_gets_and_its_exit_status(tmp_path, monkeypatch, caplog):
+    """Same environment (the step's, not the server's), working directory, arguments and a session of its own; one
+    server serves jobs that differ only in variables read at run time, another environment gets its own; exit
+    statuses come back as `subprocess` reports them."""
+    monkeypatch.setattr(forkserver, "FORKABLE", (*forkserver.FORKABLE, "tests.fault_worker"))
+    caplog.set_level(logging.INFO, logger="finetune_flows")
+    keys = ["CUDA_VISIBLE_DEVICES", "FINETUNE_FLOWS_FAULTS", "FORK_TEST_VAR", "PYTHONPATH"]
+    seen = {}
+    for name, extra in [("a", {}), ("b", {"FINETUNE_FLOWS_FAULTS": "{}"}), ("c", {"FORK_TEST_VAR": "other"})]:
+        monkeypatch.setenv("FORK_TEST_VAR", extra.get("FORK_TEST_VAR", "one"))
+        if "FINETUNE_FLOWS_FAULTS" in extra:
+            monkeypatch.setenv("FINETUNE_FLOWS_FAULTS", extra["FINETUNE_FLOWS_FAULTS"])
+        job = write_job(tmp_path / name, "probe", do="describe", keys=keys)
+        seen[name] = run_worker("probe", python_module("tests.fault_worker", job), {"CUDA_VISIBLE_DEVICES": ""},
+                                tmp_path / name)
+    monkeypatch.setenv(forkserver.SWITCH_ENV, "0")
+    job = write_job(tmp_path / "fresh", "probe", do="describe", keys=keys)
+    fresh = run_worker("probe", python_module("tests.fault_worker", job), {"CUDA_VISIBLE_DEVICES": ""},
+                       tmp_path / "fresh")
+    assert "forked from the fork server" in caplog.text
+    for got in (*seen.values(), fresh):
+        assert got["session"] == got["pid"] and got["cwd"] == os.getcwd()
+        assert len(got["argv"]) == 2 and got["argv"][1].endswith("/probe.job.json")
+        assert got["argv"][0].endswith("tests/fault_worker.py") and got["env"]["CUDA_VISIBLE_DEVICES"] == ""
+        assert got["env"]["PYTHONPATH"] == fresh["env"]["PYTHONPATH"]
+    assert [seen[n]["env"]["FORK_TEST_VAR"] for n in "abc"] == ["one", "one", "other"]
+    assert seen["b"]["env"]["FINETUNE_FLOWS_FAULTS"] == "{}" and seen["a"]["env"]["FINETUNE_FLOWS_FAULTS"] is None
+    assert seen["a"]["ppid"] == seen["b"]["ppid"] != seen["c"]["ppid"]  # a server per environment
+    assert all(got["torch"] for got in seen.values()) and not fresh["torch"]  # imported once, in the server
+    monkeypatch.delenv(forkserver.SWITCH_ENV)
+    server = forkserver._servers[forkserver._key(worker_env({"CUDA_VISIBLE_DEVICES": ""}), os.getcwd())]
+    for code in (0, 3):
+        job = write_job(tmp_path / "exit", "probe", do="exit", code=code)
+        proc = server.spawn("tests.fault_worker", [str(job)], worker_env({"CUDA_VISIBLE_DEVICES": ""}))
+        assert proc.wait(timeout=60) == code and proc.poll() == code
+    job = write_job(tmp_path / "exit", "probe", do="sleep")
+    proc = server.spawn("tests.fault_worker", [str(job)], worker_env({"CUDA_VISIBLE_DEVICES": ""}))
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.3)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
 
 
 def gpu(index: int, name: str, capability: tuple[int, int]) -> GpuInfo:
@@ -68,7 +128,7 @@ def test_ray_training_workers_get_the_compile_caches_and_stable_hashes_the_train
     """Ray's workers are started by the raylets, not by the training step's driver: what the step set for its worker
     reaches them through Ray's runtime environment, and nothing else of the host's environment does."""
     from tasks.ray_train import forwarded_env
-    from tasks.train import STABLE_HASHES
+    from tasks.launcher import STABLE_HASHES
 
     for var in COMPILE_CACHES:
         monkeypatch.delenv(var, raising=False)
@@ -106,22 +166,22 @@ def test_user_error_raised_in_torchrun_ranks_reaches_the_task_as_one_message(tmp
     assert not list((tmp_path / "ranks").glob("*.pid")), "a rank left its PID record behind"
 
 
-def test_out_of_memory_is_reported_with_the_split_it_happened_at(tmp_path):
+def test_out_of_memory_is_reported_with_the_split_it_happened_at(tmp_path, cpu_env):
     job = write_job(tmp_path, "train", do="oom", micro_batch_split=4)
     with pytest.raises(WorkerOOM) as info:
-        run_worker("train", python_module("tests.fault_worker", job), {}, tmp_path)
+        run_worker("train", python_module("tests.fault_worker", job), cpu_env, tmp_path)
     assert info.value.split == 4 and "out of host memory" in info.value.message
     assert json.loads((tmp_path / "train.oom.json").read_text())["split"] == 4
 
 
-def test_a_plain_crash_stays_retryable(tmp_path):
+def test_a_plain_crash_stays_retryable(tmp_path, cpu_env):
     job = write_job(tmp_path, "evaluate", do="crash")
     with pytest.raises(WorkerFailed) as info:
-        run_worker("evaluate", python_module("tests.fault_worker", job), {}, tmp_path)
+        run_worker("evaluate", python_module("tests.fault_worker", job), cpu_env, tmp_path)
     assert type(info.value) is WorkerFailed and "RuntimeError: something broke" in info.value.tail
 
 
-def test_an_interrupted_wait_stops_the_whole_tree_sigkill_after_the_grace_period(tmp_path, caplog):
+def test_an_interrupted_wait_stops_the_whole_tree_sigkill_after_the_grace_period(tmp_path, caplog, cpu_env):
     """Ctrl-C in the orchestrator: SIGTERM to the worker and its child in another session; the child ignores it,
     so SIGKILL follows after the grace period, and run_worker returns only once both are gone."""
     child_job = write_job(tmp_path, "child", do="stubborn")
@@ -144,7 +204,7 @@ def test_an_interrupted_wait_stops_the_whole_tree_sigkill_after_the_grace_period
     try:
         threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
-            run_worker("evaluate", python_module("tests.fault_worker", job), {}, tmp_path, stop_grace=2)
+            run_worker("evaluate", python_module("tests.fault_worker", job), cpu_env, tmp_path, stop_grace=2)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert not failed, failed
@@ -153,25 +213,30 @@ def test_an_interrupted_wait_stops_the_whole_tree_sigkill_after_the_grace_period
     assert not (tmp_path / "evaluate.pid").exists()
 
 
-def test_workers_die_with_an_orchestrator_killed_by_sigkill(tmp_path):
+@pytest.mark.parametrize("launch", ["fresh", "forked"])
+def test_workers_die_with_an_orchestrator_killed_by_sigkill(tmp_path, launch):
     """No finally block runs after SIGKILL: the kernel's parent-death signal takes the worker down, and the
-    worker's own child (its own session, like a torchrun rank) goes the same way."""
+    worker's own child (its own session, like a torchrun rank) goes the same way. A forked worker's fork server
+    gets the signal from the kernel and the worker gets it from the server's end."""
     child_job = write_job(tmp_path, "child", do="sleep")
     job = write_job(tmp_path, "evaluate", do="hang", child_job=str(child_job))
-    script = ("from pathlib import Path; from tasks.launcher import python_module, run_worker; "
-              f"run_worker('evaluate', python_module('tests.fault_worker', Path({str(job)!r})), {{}}, "
-              f"Path({str(tmp_path)!r}))")
+    script = ((FORKED_WORKER_SETUP if launch == "forked" else "")
+              + "from pathlib import Path; from tasks.launcher import python_module, run_worker; "
+              f"run_worker('evaluate', python_module('tests.fault_worker', Path({str(job)!r})), "
+              f"{{'CUDA_VISIBLE_DEVICES': ''}}, Path({str(tmp_path)!r}))")
     orchestrator = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT,
-                                    env=child_env())
+                                    env=child_env(**{forkserver.SWITCH_ENV: "1" if launch == "forked" else "0"}))
     try:
         worker = wait_for(tmp_path / "evaluate.self.pid")
         child = wait_for(tmp_path / "child.self.pid")
+        above = ProcessId.of(parent_of(worker.pid))  # the orchestrator, or the fork server below it
+        assert (above.pid == orchestrator.pid) == (launch == "fresh")
         orchestrator.kill()
         orchestrator.wait()
         deadline = time.monotonic() + 30
-        while (worker.is_running() or child.is_running()) and time.monotonic() < deadline:
+        while (worker.is_running() or child.is_running() or above.is_running()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not worker.is_running() and not child.is_running()
+        assert not worker.is_running() and not child.is_running() and not above.is_running()
     finally:
         for path in ("evaluate.self.pid", "child.self.pid"):
             ident = read_record(tmp_path / path)

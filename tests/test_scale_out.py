@@ -39,6 +39,27 @@ def test_single_host_launch_and_cache_keys_are_unchanged(tmp_path):
                        "tasks.train_worker", str(tmp_path / "job.json")]
 
 
+def test_one_cpu_rank_runs_without_torchrun_and_gets_what_torchrun_would_give_it(tmp_path, monkeypatch):
+    """One CPU rank is the rank body itself (so the launcher can fork it from its fork server); more ranks, GPUs and
+    nodes keep torchrun. The rank then sets up a world of one with a free port for the process group's store."""
+    cfg, job = load_config(None, []), tmp_path / "job.json"
+    assert train_command(cfg, CPU_PLAN, job, "abc")[1:] == ["-m", "tasks.train_worker", str(job)]
+    gpu = CPU_PLAN.model_copy(update={"device": "cuda", "gpu_ids": [0]})
+    for plan in (CPU_PLAN.model_copy(update={"nproc": 2}), gpu):
+        assert "torch.distributed.run" in train_command(cfg, plan, job, "abc")
+    from tasks.distributed import single_rank_defaults
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    single_rank_defaults()
+    assert [os.environ[v] for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")] == ["0", "0", "1", "127.0.0.1"]
+    assert 0 < int(os.environ["MASTER_PORT"]) < 65536
+    monkeypatch.setenv("RANK", "1")  # started by torchrun: its variables stand
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    single_rank_defaults()
+    assert os.environ["RANK"] == "1" and os.environ["MASTER_PORT"] == "29500"
+
+
 def test_multi_node_torchrun_uses_c10d_rendezvous_named_by_the_run(tmp_path):
     cfg = load_config(None, ["hardware.nodes=2", "hardware.rdzv_endpoint=node0.cluster:29400"])
     plan = CPU_PLAN.model_copy(update={"nproc": 4})
