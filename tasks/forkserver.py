@@ -44,6 +44,7 @@ PER_JOB = frozenset({
     "FINETUNE_FLOWS_LAUNCHER", "FINETUNE_FLOWS_STOP_GRACE", "FINETUNE_FLOWS_FAULTS",  # tasks/lifecycle.py
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",  # the rank
     "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",  # tasks.launcher.COMPILE_CACHES
+    "PYTEST_CURRENT_TEST",  # pytest's, new for every test: keyed on it, a test suite started a server per test
 })
 MESSAGE_BYTES = 1 << 20
 READY_TIMEOUT = 600.0  # importing on a loaded 2-core host took up to ~60 s
@@ -224,6 +225,7 @@ class _Starter:
 _servers: dict[tuple, ForkServer] = {}
 _servers_lock = threading.Lock()
 _starter: _Starter | None = None
+_owner = os.getpid()  # a process forked from a launcher must not talk to its parent's servers
 IDLE_SERVERS = 2  # at most this many idle servers are kept (each holds ~1 GB of imported libraries)
 
 
@@ -233,9 +235,12 @@ def _key(env: dict[str, str], cwd: str) -> tuple:
 
 def spawn(module: str, args: list[str], env: dict[str, str], cwd: str) -> ForkedWorker:
     """A worker forked from the server for this environment (started first if there is none)."""
-    global _starter
+    global _starter, _owner
     key = _key(env, cwd)
     with _servers_lock:
+        if _owner != os.getpid():
+            _servers.clear()
+            _starter, _owner = None, os.getpid()
         server = _servers.get(key)
         if server is None or not server.usable():
             if _starter is None:
