@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import signal
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -86,6 +87,17 @@ def error_line(lines: list[str]) -> str:
         elif (m := _EXCEPTION.match(text)) and "ChildFailedError" not in m.group(1):
             found = text
     return _NUMBERS.sub("#", found)
+
+
+def worker_error(exc: WorkerFailed) -> str:
+    """What a failed worker died of: the signal that ended it (one CPU rank runs without torchrun, whose line would
+    name it), else the error its output ends with."""
+    if exc.returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-exc.returncode).name}"
+        except ValueError:
+            pass
+    return error_line(exc.tail.splitlines())
 
 
 class AttemptLog:
@@ -163,7 +175,7 @@ def run_attempts(out: Path, limit: int, resume_point: Callable[[], int | None],
             log.end("interrupted")
             raise
         except WorkerFailed as exc:
-            log.end("crashed", error_line(exc.tail.splitlines()))
+            log.end("crashed", worker_error(exc))
             if log.repeats():
                 raise RepeatedFailure(
                     f"training failed twice the same way from the same checkpoint ({log.current['error']}); not "

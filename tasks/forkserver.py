@@ -6,7 +6,8 @@ CPU workers of the steps in FORKABLE (CUDA_VISIBLE_DEVICES="") are not fresh int
 the launcher on first use, imports the libraries once and forks each worker. What the launcher relies on holds for a
 forked worker as for a started one (tasks/launcher.py):
 - it runs in a session of its own, with the step's environment, working directory and arguments, as
-  `python -m <module> <job>` would; its stdout and stderr are the pipe the launcher reads, and what importing the
+  `python -m <module> <job>` would (`ps` shows the server's command line; `top` and `ps -o comm` the module's
+  name, e.g. `train_worker`; the launcher's log line names its pid); its stdout and stderr are the pipe the launcher reads, and what importing the
   libraries printed in the server (warnings, bitsandbytes' note) comes first, as it would have in a fresh process;
 - it gets SIGTERM when the server dies, and the server gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG at both
   levels; the server is started from a thread of its own, as the signal follows the thread that started a child),
@@ -309,6 +310,14 @@ def _serve(sock: socket.socket) -> None:
             sock.send(json.dumps({"exit": pid, "rc": os.waitstatus_to_exitcode(status)}).encode())
 
 
+def _name_process(name: str) -> None:
+    """The name `top` and `ps -o comm` show (a forked worker's command line stays the server's)."""
+    import ctypes
+
+    PR_SET_NAME = 15
+    ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
 def _run_worker(request: dict[str, Any], out: int, sock: socket.socket, preface: bytes, server: int) -> None:
     """In the forked child: become `python -m module args` in a session of its own; never returns."""
     import runpy
@@ -331,6 +340,7 @@ def _run_worker(request: dict[str, Any], out: int, sock: socket.socket, preface:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         sys.argv = [request["module"], *request["args"]]
+        _name_process(request["module"].rsplit(".", 1)[-1])
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:

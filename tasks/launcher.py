@@ -259,8 +259,8 @@ def start_worker(step: str, argv: list[str], env: dict[str, str], logger) -> sub
     if argv[:2] == [sys.executable, "-m"] and len(argv) == 4 and forkserver.wanted(argv[2], env):
         try:
             proc = forkserver.spawn(argv[2], argv[3:], env, cwd)
-            logger.info("starting %s worker: %s (CUDA_VISIBLE_DEVICES=%r; forked from the fork server, pid %s)", step,
-                        " ".join(argv), env.get("CUDA_VISIBLE_DEVICES"), proc.server.proc.pid)
+            logger.info("starting %s worker: %s (CUDA_VISIBLE_DEVICES=%r; pid %s, forked from the fork server, pid %s)",
+                        step, " ".join(argv), env.get("CUDA_VISIBLE_DEVICES"), proc.pid, proc.server.proc.pid)
             return proc
         except (OSError, RuntimeError) as exc:
             logger.warning("the fork server could not start the %s worker (%s): starting a fresh process", step, exc)

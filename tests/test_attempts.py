@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from tasks.attempts import AttemptLog, adapt_after_oom, current_split, error_line, run_attempts, split_limit, whole_run
-from tasks.errors import RepeatedFailure, WorkerOOM, is_retryable
+from tasks.attempts import (AttemptLog, adapt_after_oom, current_split, error_line, run_attempts, split_limit, whole_run,
+                            worker_error)
+from tasks.errors import RepeatedFailure, WorkerFailed, WorkerOOM, is_retryable
 from tasks.launcher import python_module, run_worker, write_job
 
 
@@ -35,6 +36,9 @@ def test_error_lines_compare_across_attempts():
                 "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"]
     assert error_line(torchrun) == "ValueError: bad value at #"
     assert error_line(["  traceback : Signal 9 (SIGKILL) received by PID 12345"]) == "killed by SIGKILL"
+    # a rank started without torchrun (one CPU rank) ends with the signal itself: its exit status names it
+    assert worker_error(WorkerFailed("train", -9, "step 3/8 loss 6.9")) == "killed by SIGKILL"
+    assert worker_error(WorkerFailed("train", 1, "\n".join(torchrun))) == "ValueError: bad value at #"
 
 
 def test_the_same_crash_from_the_same_checkpoint_repeats(tmp_path):

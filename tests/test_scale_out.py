@@ -49,8 +49,8 @@ def test_one_cpu_rank_runs_without_torchrun_and_gets_what_torchrun_would_give_it
         assert "torch.distributed.run" in train_command(cfg, plan, job, "abc")
     from tasks.distributed import single_rank_defaults
 
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
+    rank_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in rank_vars})  # a copy: no leak
     single_rank_defaults()
     assert [os.environ[v] for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")] == ["0", "0", "1", "127.0.0.1"]
     assert 0 < int(os.environ["MASTER_PORT"]) < 65536
