@@ -323,14 +323,12 @@ def _run_worker(request: dict[str, Any], out: int, sock: socket.socket, preface:
     import runpy
     import traceback
 
-    from tasks.lifecycle import set_parent_death_signal
+    from tasks.lifecycle import preexec_die_with
 
     code = 1
     try:
         os.setsid()
-        set_parent_death_signal()
-        if os.getppid() != server:  # the server died before the signal was armed
-            os._exit(1)
+        preexec_die_with(server)()  # as for a Popen child: SIGTERM when the server dies, gone now if it already has
         sock.close()
         os.dup2(out, 1)
         os.dup2(out, 2)
