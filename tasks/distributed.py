@@ -118,6 +118,14 @@ def gather(obj: Any) -> list[Any]:
     return out
 
 
+def barrier() -> None:
+    """Wait for every rank (nothing without a process group)."""
+    if _group_ready():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def storage_is_shared(out: Path) -> bool:
     """Whether every rank sees the same `out` directory: each rank drops a marker there, and each checks that it
     sees all of them. True on one host; False when nodes write to their own disks."""

@@ -152,9 +152,9 @@ def peak_memory() -> dict[str, float | None]:
     return {"reserved_mb": reserved, "process_mb": used / 2**20 if used else None}
 
 
-def training_callback(job: dict[str, Any]):
+def training_callback(job: dict[str, Any], trainer):
     """The Trainer callback of every training rank: graceful stop on SIGTERM/SIGINT, progress for the accounting
-    of all attempts (tasks/attempts.py), and injected faults.
+    of all attempts (tasks/attempts.py), and injected faults (some of which hook into `trainer`).
 
     Creating it installs the signal handlers (a signal during model loading still ends the process at once: there
     is nothing to save yet)."""
@@ -164,6 +164,7 @@ def training_callback(job: dict[str, Any]):
 
     stop = GracefulStop(float(os.environ.get(GRACE_ENV, "60"))).install()
     faults = Faults.from_env(job)
+    faults.install(trainer)
     rank = int(os.environ.get("RANK", 0))
 
     class StopOnSignal(TrainerCallback):
@@ -209,7 +210,10 @@ class Faults:
     - `sigkill_at_step: N` SIGKILLs rank `sigkill_rank` (default 0) before step N, once: the file `once` is
       created first, so the resumed attempt runs on;
     - `step_seconds: S` sleeps S seconds before every step, so a run on a fast GPU is still training when a test's
-      signal arrives.
+      signal arrives;
+    - `rng_save_seconds: S` makes rank `rng_save_rank` (default 1) a slow writer of its part of every checkpoint
+      (`rng_state_<rank>.pth`, written by each rank after the shared files): the file exists half-written for S
+      seconds, as it would on a slow disk, before the Trainer writes it.
     """
 
     def __init__(self, spec: dict[str, Any], split: int, rank: int):
@@ -219,6 +223,20 @@ class Faults:
     def from_env(cls, job: dict[str, Any]) -> Faults:
         return cls(json.loads(os.environ.get(FAULTS_ENV) or "{}"), int(job.get("micro_batch_split", 1)),
                    int(os.environ.get("RANK", 0)))
+
+    def install(self, trainer) -> None:
+        seconds = float(self.spec.get("rng_save_seconds", 0))
+        if not seconds or self.rank != self.spec.get("rng_save_rank", 1):
+            return
+        save = trainer._save_rng_state
+
+        def slow_save(output_dir: str) -> None:
+            os.makedirs(output_dir, exist_ok=True)
+            Path(output_dir, f"rng_state_{self.rank}.pth").write_bytes(b"\0" * 64)
+            time.sleep(seconds)
+            save(output_dir)
+
+        trainer._save_rng_state = slow_save
 
     def before_step(self, step: int) -> None:
         s = self.spec

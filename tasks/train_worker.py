@@ -21,7 +21,7 @@ from typing import Any
 from tasks.compiling import compile_decoder_layers, compile_when_it_pays
 from tasks.config import FinetuneConfig
 from tasks.dataset import IGNORE_INDEX, load_split
-from tasks.distributed import checkpoint_step, gather, is_writer, prepare_ranks, single_rank_defaults
+from tasks.distributed import barrier, checkpoint_step, gather, is_writer, prepare_ranks, single_rank_defaults
 from tasks.environment import Plan
 from tasks.launcher import emit_event, worker_main
 from tasks.lifecycle import training_callback
@@ -173,6 +173,9 @@ def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: f
 
         def on_save(self, args, state, control, **kwargs):
             clock.exclude()
+            # Every rank writes its own rng_state_<rank>.pth after the shared files and nothing waits for it: the
+            # manifest must list it at its final size, or the checkpoint reads as incomplete and is thrown away.
+            barrier()
             if state.is_world_process_zero or (args.save_on_each_node and state.is_local_process_zero):
                 ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
                 if ckpt.is_dir():
@@ -297,7 +300,7 @@ def _train(job: dict) -> dict | None:
     trainer_class = sharding.trainer_class(plan.compute_dtype) if fsdp else Trainer
     trainer = trainer_class(model=model, args=args, train_dataset=train_ds, data_collator=collator)
     trainer.remove_callback(PrinterCallback)  # progress goes out as events; its raw dicts would duplicate them
-    trainer.add_callback(training_callback(job))  # graceful stop on SIGTERM, progress of this attempt, test faults
+    trainer.add_callback(training_callback(job, trainer))  # graceful stop on SIGTERM, progress of this attempt, test faults
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()

@@ -154,7 +154,9 @@ def test_fsdp_on_two_ranks_matches_ddp_resumes_after_a_killed_rank_and_saves_the
     from tasks.lifecycle import FAULTS_ENV
 
     marker = tmp_path / "killed"
-    monkeypatch.setenv(FAULTS_ENV, json.dumps({"sigkill_at_step": 5, "sigkill_rank": 1, "once": str(marker)}))
+    # rank 1 also writes its part of each checkpoint late: checkpoint-3 must still be complete when rank 1 dies
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"sigkill_at_step": 5, "sigkill_rank": 1, "once": str(marker),
+                                               "rng_save_seconds": 1}))
     result = finetune(None, tiny_overrides(shared_cache / "scale", tmp_path, **{
         "hardware.cpu_processes": 2, "hardware.strategy": "fsdp", "train.retries": 1, "export.merge": False}))
     train, reference = result.train, two_rank_reference.train
