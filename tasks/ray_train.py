@@ -50,15 +50,13 @@ def train_loop_per_worker(job: dict) -> None:
 def report_callback():
     """The Trainer's Ray integration, with the checkpoint reported by rank 0 alone. Under DDP every rank holds
     the same checkpoint; if each reported its own copy, a rank that looked before the new checkpoint was on disk
-    would merge the previous step's files into it. The barrier makes every rank's RNG state part of the copy."""
+    would merge the previous step's files into it. Every rank's RNG state is already in the copy: the training
+    worker's own `on_save` (tasks/train_worker.py, a callback added before this one) waits for every rank."""
     import ray.train
-    import torch.distributed as dist
     from ray.train.huggingface.transformers import RayTrainReportCallback
 
     class RankZeroReport(RayTrainReportCallback):
         def on_save(self, args, state, control, **kwargs):
-            if dist.is_initialized():
-                dist.barrier()
             if state.is_world_process_zero:
                 return super().on_save(args, state, control, **kwargs)
             ray.train.report(metrics={"step": state.global_step}, checkpoint=None)  # report is collective

@@ -175,6 +175,7 @@ def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: f
             clock.exclude()
             # Every rank writes its own rng_state_<rank>.pth after the shared files and nothing waits for it: the
             # manifest must list it at its final size, or the checkpoint reads as incomplete and is thrown away.
+            # Ray's report of the checkpoint (tasks/ray_train.py, a callback added after this one) relies on it too.
             barrier()
             if state.is_world_process_zero or (args.save_on_each_node and state.is_local_process_zero):
                 ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
