@@ -43,7 +43,7 @@ from benchmarks.scale_out import (
     config, fresh, head_lines, host_hardware, loss_difference, metrics_row, quantized_base, resolved, train_job,
     workload_dataset)
 from benchmarks.train_speed import MemoryPoller, gpu_name
-from tasks.launcher import STABLE_HASHES
+from tasks.launcher import STABLE_HASHES, training_env
 
 LAUNCHERS = ("host", "torchrun-2node", "ray-2node")
 NODES = 2
@@ -208,7 +208,7 @@ class LaunchBench:
         cfg = self.config(hardware)
         sel, plan = resolved(cfg, self.env, ids)
         job = train_job(fresh(out), cfg, plan, self.base, self.data, self.tplan, self.run_id)
-        env = {**sel.env, **COMMON_ENV, **compile_caches(out / "compile-cache"), **extra_env}
+        env = training_env({**sel.env, **COMMON_ENV, **compile_caches(out / "compile-cache"), **extra_env})
         return Node(train_command(cfg, plan, job, self.run_id), env, out)
 
     def host(self, out: Path) -> list[Node]:

@@ -124,7 +124,7 @@ def metrics_row(r: dict, smi_peak_mib: float) -> dict:
 
 
 def run(args, env, state: Path, cache: Path, strategy: str, data: Path, stats: dict) -> dict:
-    from tasks.launcher import run_worker, torchrun_module
+    from tasks.launcher import run_worker, torchrun_module, training_env
     from tasks.train import training_plan
 
     ids = [g.index for g in env.gpus][:args.gpus]
@@ -135,7 +135,8 @@ def run(args, env, state: Path, cache: Path, strategy: str, data: Path, stats: d
     tplan = training_plan(cfg, workload_dataset(data, stats), base, plan, sel)
     job = train_job(out, cfg, plan, base, data, tplan, strategy)
     with MemoryPoller(ids) as mem:
-        run_worker("train", torchrun_module("tasks.train_worker", job, plan.nproc), child_env(ids), out)
+        run_worker("train", torchrun_module("tasks.train_worker", job, plan.nproc), training_env(child_env(ids)),
+                   out)
     r = json.loads((out / "train_metrics.json").read_text())
     row = {"strategy": strategy, "model": cfg.model.source, "device": gpu_name(ids),
            "quant_storage": base.quant_storage, **metrics_row(r, mem.peak), "param_mib_per_rank": r["rank_param_mb"],

@@ -13,8 +13,10 @@ number of optimizer steps with the same effective batch (32 rows per step and GP
 Runs: `seed` (benchmarks/seed_recipe.py: the Transformers NVIDIA-GPU guide's QLoRA recipe), `ours` (the project's
 training worker, tasks/train_worker.py, with its defaults and memory planner; `train.compile=true`, as `auto`
 compiles in a run long enough to repay it), `ours-2gpu` (the same on two GPUs,
-DDP), and `ours-<label>` variants with extra config overrides (`--variant label:key=value,key=value`; a label
-starting with `2gpu-` runs on two GPUs and gets its own `ddp_2gpu_scaling:<label>` beside `ours-<label>`). Each run is a
+DDP), and `ours-<label>` variants with extra config overrides (`--variant label:key=value,key=value`; a key in
+capitals, e.g. `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`, is an environment variable of that run's training
+worker instead; a label starting with `2gpu-` runs on two GPUs and gets its own `ddp_2gpu_scaling:<label>` beside
+`ours-<label>`). Each run is a
 fresh process; the device is synchronised at every step boundary; steady state skips the warm-up steps and takes
 the median (and min/max) of tokens/s over windows of 5 steps; tokens are real (non-pad) tokens; memory is the peak
 the allocator reserved and the peak nvidia-smi showed; MFU counts 4 x (linear + lm_head parameters) FLOPs per token
@@ -33,6 +35,7 @@ import math
 import os
 import platform
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -49,6 +52,7 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 EVAL_ROWS = 200
 SUCCESSORS = 4
 CHAIN_VOCAB = 1024  # tokens the chain uses: small enough that a short run learns it
+ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*$")  # a variant's KEY=value in capitals sets the training worker's environment
 
 
 # ---------------------------------------------------------------- workload
@@ -300,9 +304,11 @@ class Bench:
         from tasks.dataset import PreparedDataset
         from tasks.environment import measured_plan
         from tasks.gpus import selection_for
-        from tasks.launcher import run_worker, torchrun_module, write_job
+        from tasks.launcher import run_worker, torchrun_module, training_env, write_job
         from tasks.train import liger_setting, training_plan, upcast_setting
 
+        env_overrides = dict(o.split("=", 1) for o in overrides if ENV_NAME.match(o.split("=", 1)[0]))
+        overrides = [o for o in overrides if not ENV_NAME.match(o.split("=", 1)[0])]
         _, base, _, _ = self.base_model(shape)
         # A bench run is a few dozen steps of what stands for a long run, whose steady state it measures: there,
         # train.compile=auto compiles the layers after its first steps (tasks/compiling.py); here it never would.
@@ -328,11 +334,13 @@ class Bench:
                         base=str(base.path), data=str(data), load_in_4bit=base.load_in_4bit, fingerprint=name,
                         training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
                         upcast_frozen=upcast_setting(cfg), **extra)
+        worker_env = {**training_env(sel.env), **env_overrides}
         with MemoryPoller(ids) as mem:
-            run_worker("train", torchrun_module("tasks.train_worker", job, plan.nproc), sel.env, out)
+            run_worker("train", torchrun_module("tasks.train_worker", job, plan.nproc), worker_env, out)
         result = json.loads((out / "train_metrics.json").read_text())
         result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids[:1], out / "eval.log")
-        result["overrides"] = overrides
+        result["overrides"] = [*overrides, *(f"{k}={v}" for k, v in env_overrides.items())]
+        result["allocator"] = worker_env.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
         result["attention_choice"] = f"{plan.train_attn}: {plan.attention_choice['train']}"
         result["grad_norms"] = logged(out / "train.log", "grad_norm")
         if (out / "profile.json").is_file():
@@ -370,10 +378,12 @@ class Bench:
             "steps": r["steps"], "peak_reserved_gib": None if r.get("peak_memory_mb") is None else
             round(r["peak_memory_mb"] / 1024, 2),
             "peak_allocated_gib": None if r.get("peak_allocated_mb") is None else round(r["peak_allocated_mb"] / 1024, 2),
+            "loaded_allocated_gib": None if r.get("loaded_allocated_mb") is None else
+            round(r["loaded_allocated_mb"] / 1024, 2),
             "nvidia_smi_peak_gib": round(smi_peak / 1024, 2) if smi_peak else None, "gpu_total_gib": total_gib,
             "mfu": mfu, "eval_loss": round(r["eval_loss"], 4), "final_train_loss": r["loss_curve"][-1][1],
             "loss_curve": r["loss_curve"], "grad_norms": r.get("grad_norms", []),
-            "layout": r.get("layout", ""), "overrides": r.get("overrides", []),
+            "layout": r.get("layout", ""), "overrides": r.get("overrides", []), "allocator": r.get("allocator"),
             "attention_choice": r.get("attention_choice"),
             "training_plan": r.get("training_plan"), "profile": r.get("profile"),
             "flops_per_token": mshape.flops_per_token(stats["mean_length"]),
@@ -450,6 +460,14 @@ def markdown(rep: dict) -> str:
     lines += [f"- {k}: {v}" for k, v in rep["speedup"].items()]
     lines += ["", "## Eval loss of ours relative to the seed (same steps and effective batch)", ""]
     lines += [f"- {k}: {v:+.2%}" for k, v in rep["eval_loss_relative_to_seed"].items()]
+    planned = [r for r in rep["runs"] if r.get("training_plan") and r.get("peak_allocated_gib") is not None]
+    if planned:
+        lines += ["", "## Memory: the planner's prediction against the allocator (GiB)", "",
+                  "| run | predicted peak | allocated before step 1 | peak allocated | peak reserved | nvidia-smi | "
+                  "PYTORCH_CUDA_ALLOC_CONF |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['name']} | {r['training_plan']['predicted_peak_gib']} | {r.get('loaded_allocated_gib')} | "
+                  f"{r['peak_allocated_gib']} | {r['peak_reserved_gib']} | {r['nvidia_smi_peak_gib']} | "
+                  f"{r.get('allocator') or '-'} |" for r in planned]
     for r in rep["runs"]:
         if r.get("profile"):
             p = r["profile"]

@@ -23,7 +23,7 @@ from tasks.environment import Plan
 from tasks.errors import UserInputError, retry_unless_user_error
 from tasks.fingerprint import combine, step_versions
 from tasks.gpus import GpuSelection
-from tasks.launcher import compile_caches, compile_root, run_logger, run_worker, write_job
+from tasks.launcher import compile_caches, compile_root, run_logger, run_worker, training_env, write_job
 from tasks.planner import ModelShape, TrainingPlan, plan_training
 from tasks.preflight import check_lora_targets
 from tasks.progress import ProgressReporter
@@ -207,7 +207,7 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
                         compile_record=str(compile_root(cfg.cache_root, gpus) / COMPILE_RECORD))
         with ProgressReporter(cfg.train.max_steps) as progress:
             run_worker("train", train_command(cfg, plan, job, entry.key),
-                       {**gpus.env, **compile_caches(cfg.cache_root, gpus)}, out,
+                       training_env({**gpus.env, **compile_caches(cfg.cache_root, gpus)}), out,
                        on_event=lambda event: (observe(event), progress(event)),
                        stop_grace=cfg.hardware.stop_grace_seconds)
 

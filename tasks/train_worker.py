@@ -336,6 +336,8 @@ def _train(job: dict) -> dict | None:
               flush=True)
         if resume is not None:
             print(f"resuming from {resume.name} (optimizer, scheduler and RNG state restored)", flush=True)
+    # The weights and the adapter before the first step (the optimizer's state comes with it): the planner's static part.
+    loaded_allocated = torch.cuda.memory_allocated() / 2**20 if on_gpu else None
     if resume is not None and 0 < steps <= resumed_from:
         # Killed after its final checkpoint: resuming would take one step past max_steps, so restore that state.
         from peft import set_peft_model_state_dict
@@ -355,6 +357,7 @@ def _train(job: dict) -> dict | None:
         peak_reserved = peak_allocated = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     record = {"rank": rank, "global_step": trainer.state.global_step, "tokens": collator.tokens,
               "peak_reserved_mb": peak_reserved, "peak_allocated_mb": peak_allocated,
+              "loaded_allocated_mb": loaded_allocated,
               "device_name": torch.cuda.get_device_name() if on_gpu else "cpu", "steps": clock.steps,
               "param_mb": sharding.local_parameter_mib(model)}
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
@@ -381,6 +384,7 @@ def _train(job: dict) -> dict | None:
         train_tokens=total_tokens, train_seconds=round(seconds, 2),
         peak_memory_mb=round(max(r["peak_reserved_mb"] for r in records), 1),
         peak_allocated_mb=round(max(r["peak_allocated_mb"] for r in records), 1),
+        loaded_allocated_mb=None if not on_gpu else round(max(r["loaded_allocated_mb"] for r in records), 1),
         steady_tokens_per_second=steady["tokens_per_second"], steady_state=steady,
         resumed_from_step=resumed_from,
         backend=backend, rank_steps=[r["global_step"] for r in records],
