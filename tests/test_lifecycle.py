@@ -124,6 +124,23 @@ def test_compile_caches_are_one_folder_per_gpu_model_in_the_projects_cache_and_a
                                                                             "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"}
 
 
+def test_training_workers_get_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
+    """Packed micro-batches change shape every step; without expandable segments the 8B bench held 95 GiB reserved
+    for 71 GiB allocated. The user's own PYTORCH_CUDA_ALLOC_CONF reaches the worker unchanged."""
+    from tasks.launcher import training_env
+    from tasks.ray_train import forwarded_env
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    h200 = GpuSelection(ids=[0], gpus=[gpu(0, "NVIDIA H200", (9, 0))])
+    env = worker_env(training_env(h200.env))
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert forwarded_env(env)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # Ray's workers too
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in worker_env(h200.env)  # other workers (evaluation's CUDA graphs) as before
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert worker_env(training_env(h200.env))["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
 def test_ray_training_workers_get_the_compile_caches_and_stable_hashes_the_training_step_sets(tmp_path, monkeypatch):
     """Ray's workers are started by the raylets, not by the training step's driver: what the step set for its worker
     reaches them through Ray's runtime environment, and nothing else of the host's environment does."""
