@@ -122,11 +122,13 @@ def workload_for(shape: str, rows: int, state: Path, cache: Path, smoke: bool) -
 
 
 class MemoryPoller:
-    """Peak GPU memory nvidia-smi reports for the given device ids while a run is going."""
+    """Peak GPU memory nvidia-smi reports for the given device ids while a run is going, and the peak of each
+    process it lists on any GPU (`processes`: "<pid> <name>" -> MiB)."""
 
     def __init__(self, ids: list[int]):
         self.ids = ids
         self.peak = 0
+        self.processes: dict[str, int] = {}
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -141,6 +143,19 @@ class MemoryPoller:
                 index, used = (int(x) for x in line.split(","))
                 if index in self.ids:
                     self.peak = max(self.peak, used)
+            try:
+                apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+                                       "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                      timeout=10).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            for line in apps.strip().splitlines():
+                pid, _, rest = line.partition(",")
+                name, _, used = rest.rpartition(",")
+                used = used.strip()
+                if used.isdigit():
+                    key = f"{pid.strip()} {Path(name.strip()).name}"
+                    self.processes[key] = max(self.processes.get(key, 0), int(used))
 
     def __enter__(self):
         if self.ids:
@@ -341,6 +356,7 @@ class Bench:
         result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids[:1], out / "eval.log")
         result["overrides"] = [*overrides, *(f"{k}={v}" for k, v in env_overrides.items())]
         result["allocator"] = worker_env.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        result["nvidia_smi_processes"] = mem.processes
         result["attention_choice"] = f"{plan.train_attn}: {plan.attention_choice['train']}"
         result["grad_norms"] = logged(out / "train.log", "grad_norm")
         if (out / "profile.json").is_file():
@@ -378,12 +394,13 @@ class Bench:
             "steps": r["steps"], "peak_reserved_gib": None if r.get("peak_memory_mb") is None else
             round(r["peak_memory_mb"] / 1024, 2),
             "peak_allocated_gib": None if r.get("peak_allocated_mb") is None else round(r["peak_allocated_mb"] / 1024, 2),
-            "loaded_allocated_gib": None if r.get("loaded_allocated_mb") is None else
-            round(r["loaded_allocated_mb"] / 1024, 2),
+            **{f"{k}_gib": None if r.get(f"{k}_mb") is None else round(r[f"{k}_mb"] / 1024, 2)
+               for k in ("loaded_allocated", "load_peak_reserved", "outside_allocator")},
             "nvidia_smi_peak_gib": round(smi_peak / 1024, 2) if smi_peak else None, "gpu_total_gib": total_gib,
             "mfu": mfu, "eval_loss": round(r["eval_loss"], 4), "final_train_loss": r["loss_curve"][-1][1],
             "loss_curve": r["loss_curve"], "grad_norms": r.get("grad_norms", []),
             "layout": r.get("layout", ""), "overrides": r.get("overrides", []), "allocator": r.get("allocator"),
+            "nvidia_smi_processes": r.get("nvidia_smi_processes"),
             "attention_choice": r.get("attention_choice"),
             "training_plan": r.get("training_plan"), "profile": r.get("profile"),
             "flops_per_token": mshape.flops_per_token(stats["mean_length"]),
@@ -463,11 +480,17 @@ def markdown(rep: dict) -> str:
     planned = [r for r in rep["runs"] if r.get("training_plan") and r.get("peak_allocated_gib") is not None]
     if planned:
         lines += ["", "## Memory: the planner's prediction against the allocator (GiB)", "",
-                  "| run | predicted peak | allocated before step 1 | peak allocated | peak reserved | nvidia-smi | "
-                  "PYTORCH_CUDA_ALLOC_CONF |", "|---|---|---|---|---|---|---|"]
+                  "| run | predicted peak | allocated before step 1 | peak allocated | peak reserved | reserved while "
+                  "loading | device memory outside the allocator | nvidia-smi | PYTORCH_CUDA_ALLOC_CONF |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['name']} | {r['training_plan']['predicted_peak_gib']} | {r.get('loaded_allocated_gib')} | "
-                  f"{r['peak_allocated_gib']} | {r['peak_reserved_gib']} | {r['nvidia_smi_peak_gib']} | "
-                  f"{r.get('allocator') or '-'} |" for r in planned]
+                  f"{r['peak_allocated_gib']} | {r['peak_reserved_gib']} | {r.get('load_peak_reserved_gib')} | "
+                  f"{r.get('outside_allocator_gib')} | {r['nvidia_smi_peak_gib']} | {r.get('allocator') or '-'} |"
+                  for r in planned]
+        lines += ["", "Processes nvidia-smi listed during each run (peak MiB): " + "; ".join(
+            f"{r['name']}: " + ", ".join(f"{k} {v}" for k, v in r["nvidia_smi_processes"].items())
+            for r in planned if r.get("nvidia_smi_processes")) if any(r.get("nvidia_smi_processes") for r in planned)
+                  else ""]
     for r in rep["runs"]:
         if r.get("profile"):
             p = r["profile"]

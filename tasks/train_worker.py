@@ -302,7 +302,9 @@ def _train(job: dict) -> dict | None:
     trainer = trainer_class(model=model, args=args, train_dataset=train_ds, data_collator=collator)
     trainer.remove_callback(PrinterCallback)  # progress goes out as events; its raw dicts would duplicate them
     trainer.add_callback(training_callback(job, trainer))  # graceful stop on SIGTERM, progress of this attempt, test faults
+    load_peak_reserved = None
     if on_gpu:
+        load_peak_reserved = torch.cuda.max_memory_reserved() / 2**20  # loading, dequantizing, wrapping
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     clock = StepClock(collator, torch.cuda.synchronize if on_gpu else (lambda: None))
@@ -350,14 +352,18 @@ def _train(job: dict) -> dict | None:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     seconds = time.perf_counter() - started
 
+    outside_allocator = None
     if on_gpu:
         peak_reserved = torch.cuda.max_memory_reserved() / 2**20
         peak_allocated = torch.cuda.max_memory_allocated() / 2**20
+        free, total = torch.cuda.mem_get_info()  # the whole device: our CUDA context, libraries' own buffers, others
+        outside_allocator = (total - free - torch.cuda.memory_reserved()) / 2**20
     else:
         peak_reserved = peak_allocated = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     record = {"rank": rank, "global_step": trainer.state.global_step, "tokens": collator.tokens,
               "peak_reserved_mb": peak_reserved, "peak_allocated_mb": peak_allocated,
-              "loaded_allocated_mb": loaded_allocated,
+              "loaded_allocated_mb": loaded_allocated, "load_peak_reserved_mb": load_peak_reserved,
+              "outside_allocator_mb": outside_allocator,
               "device_name": torch.cuda.get_device_name() if on_gpu else "cpu", "steps": clock.steps,
               "param_mb": sharding.local_parameter_mib(model)}
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
@@ -385,6 +391,8 @@ def _train(job: dict) -> dict | None:
         peak_memory_mb=round(max(r["peak_reserved_mb"] for r in records), 1),
         peak_allocated_mb=round(max(r["peak_allocated_mb"] for r in records), 1),
         loaded_allocated_mb=None if not on_gpu else round(max(r["loaded_allocated_mb"] for r in records), 1),
+        load_peak_reserved_mb=None if not on_gpu else round(max(r["load_peak_reserved_mb"] for r in records), 1),
+        outside_allocator_mb=None if not on_gpu else round(max(r["outside_allocator_mb"] for r in records), 1),
         steady_tokens_per_second=steady["tokens_per_second"], steady_state=steady,
         resumed_from_step=resumed_from,
         backend=backend, rank_steps=[r["global_step"] for r in records],
