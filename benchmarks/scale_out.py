@@ -75,7 +75,7 @@ def quantized_base(cfg, plan, sel, work: Path):
     from tasks.store import Entry, reuse_or_produce
 
     if plan.device == "cuda":
-        generate_on_gpu(cfg.model.source, cfg.cache_root)
+        generate_on_gpu(cfg.model.source, cfg.cache_root, sel.ids[0])
     entry = Entry(cfg.cache_root, "quantized", quantize_fingerprint(cfg, plan))
 
     def produce() -> QuantizedModel:

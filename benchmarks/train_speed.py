@@ -19,7 +19,7 @@ worker instead; a label starting with `2gpu-` runs on two GPUs and gets its own 
 `ours-<label>`). Each run is a
 fresh process; the device is synchronised at every step boundary; steady state skips the warm-up steps and takes
 the median (and min/max) of tokens/s over windows of 5 steps; tokens are real (non-pad) tokens; memory is the peak
-the allocator reserved and the peak nvidia-smi showed; MFU counts 4 x (linear + lm_head parameters) FLOPs per token
+the allocator reserved and the peak nvidia-smi showed for the run's own processes (the whole GPU's figure beside it); MFU counts 4 x (linear + lm_head parameters) FLOPs per token
 (a frozen base: forward and input-gradient backward) plus causal attention, against 989 TFLOP/s (H200 dense bf16).
 After training, each adapter's eval loss on 200 held-out rows is measured the same way for every run.
 
@@ -122,43 +122,59 @@ def workload_for(shape: str, rows: int, state: Path, cache: Path, smoke: bool) -
 
 
 class MemoryPoller:
-    """Peak GPU memory nvidia-smi reports for the given device ids while a run is going, and the peak of each
-    process it lists on any GPU (`processes`: "<pid> <name>" -> MiB)."""
+    """GPU memory nvidia-smi reports for the given device ids while a run is going.
+
+    `peak`: the largest total of the processes that appeared on those GPUs after the poller started (the run's own:
+    launcher, ranks, their helpers), so memory another process already held (e.g. the benchmark's own, or a
+    lingering one) is not counted against the run; `device_peak`: the whole devices' figure, as nvidia-smi shows it;
+    `processes`: the peak of each process ("<pid> <name>" -> MiB) on those GPUs, including ones that were there before.
+    """
 
     def __init__(self, ids: list[int]):
         self.ids = ids
         self.peak = 0
+        self.device_peak = 0
         self.processes: dict[str, int] = {}
+        self.before: set[str] | None = None
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
+    @staticmethod
+    def _query(what: str) -> list[list[str]]:
+        out = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=10).stdout
+        return [[x.strip() for x in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+
+    def sample(self) -> None:
+        rows = self._query("gpu=index,uuid,memory.used")
+        gpus = {uuid: int(index) for index, uuid, _ in rows}
+        self.device_peak = max([self.device_peak] + [int(used) for index, _, used in rows if int(index) in self.ids])
+        mine = {}
+        for pid, name, uuid, used in self._query("compute-apps=pid,process_name,gpu_uuid,used_memory"):
+            if gpus.get(uuid) in self.ids and used.isdigit():
+                key = f"{pid} {Path(name).name}"
+                mine[key] = mine.get(key, 0) + int(used)
+        if self.before is None:
+            self.before = set(mine)
+        for key, used in mine.items():
+            self.processes[key] = max(self.processes.get(key, 0), used)
+        self.peak = max(self.peak, sum(used for key, used in mine.items() if key not in self.before))
+
     def _poll(self) -> None:
-        while not self.done.wait(0.5):
+        while True:
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=10).stdout
-            except (OSError, subprocess.TimeoutExpired):
+                self.sample()
+            except (OSError, ValueError, subprocess.TimeoutExpired):
                 return
-            for line in out.strip().splitlines():
-                index, used = (int(x) for x in line.split(","))
-                if index in self.ids:
-                    self.peak = max(self.peak, used)
-            try:
-                apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
-                                       "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                                      timeout=10).stdout
-            except (OSError, subprocess.TimeoutExpired):
-                continue
-            for line in apps.strip().splitlines():
-                pid, _, rest = line.partition(",")
-                name, _, used = rest.rpartition(",")
-                used = used.strip()
-                if used.isdigit():
-                    key = f"{pid.strip()} {Path(name.strip()).name}"
-                    self.processes[key] = max(self.processes.get(key, 0), int(used))
+            if self.done.wait(0.5):
+                return
 
     def __enter__(self):
         if self.ids:
+            try:
+                self.sample()  # before the run starts: what is on the GPUs already
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                self.before = set()
             self.thread.start()
         return self
 
@@ -204,9 +220,22 @@ def eval_loss(base: Path, adapter: Path, data: Path, ids: list[int], log: Path) 
     return float(line.split()[1])
 
 
-def generate_on_gpu(source: str, cache_root: Path) -> None:
+def generate_on_gpu(source: str, cache_root: Path, gpu: int = 0) -> None:
     """Random weights initialised on the GPU (an 8B model initialises in seconds there, minutes on the CPU), saved
-    where materialize_model looks. Only for the benchmark's private cache: the bytes differ from a CPU-made copy."""
+    where materialize_model looks. Only for the benchmark's private cache: the bytes differ from a CPU-made copy.
+    In a child process: the benchmark's own process then holds no GPU memory beside the runs it measures (the 8B
+    shape's weights left 16 GiB in its allocator, which nvidia-smi counted in every run's figure)."""
+    from tasks.models import _cache_entry
+
+    if _cache_entry("models", source, cache_root, None).manifest_path.is_file():
+        return  # made before (materialize_model verifies it)
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
+            f"from benchmarks.train_speed import generate_here; generate_here({source!r}, Path({str(cache_root)!r}))")
+    cache_root.mkdir(parents=True, exist_ok=True)
+    run_logged([sys.executable, "-c", code], child_env([gpu]), cache_root / "generate.log", timeout=1800)
+
+
+def generate_here(source: str, cache_root: Path) -> None:
     import torch
 
     from tasks.models import _cache_entry, _materialize_generated, _materialized
@@ -279,7 +308,7 @@ class Bench:
         plan = resolve_plan(cfg, self.env, sel)
         started = time.perf_counter()
         if self.gpu_ids:
-            generate_on_gpu(cfg.model.source, cfg.cache_root)
+            generate_on_gpu(cfg.model.source, cfg.cache_root, self.gpu_ids[0])
         src = materialize_model(cfg.model.source, cfg.cache_root)
         out = cfg.cache_root / "quantized" / quantize_fingerprint(cfg, plan)
         if not (out / "quantization.json").is_file():
@@ -312,7 +341,7 @@ class Bench:
                        out / "train.log", timeout=3600)
         result = json.loads((out / "result.json").read_text())
         result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids, out / "eval.log")
-        self.record(name, self.summarize(name, shape, ids, result, mem.peak, stats))
+        self.record(name, self.summarize(name, shape, ids, result, mem, stats))
 
     def run_ours(self, shape: str, data: Path, stats: dict, label: str, gpus: int, overrides: list[str],
                  profile: bool) -> None:
@@ -356,14 +385,13 @@ class Bench:
         result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids[:1], out / "eval.log")
         result["overrides"] = [*overrides, *(f"{k}={v}" for k, v in env_overrides.items())]
         result["allocator"] = worker_env.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-        result["nvidia_smi_processes"] = mem.processes
         result["attention_choice"] = f"{plan.train_attn}: {plan.attention_choice['train']}"
         result["grad_norms"] = logged(out / "train.log", "grad_norm")
         if (out / "profile.json").is_file():
             result["profile"] = json.loads((out / "profile.json").read_text())
-        self.record(name, self.summarize(name, shape, ids, result, mem.peak, stats))
+        self.record(name, self.summarize(name, shape, ids, result, mem, stats))
 
-    def summarize(self, name: str, shape: str, ids: list[int], r: dict, smi_peak: int, stats: dict) -> dict:
+    def summarize(self, name: str, shape: str, ids: list[int], r: dict, mem: MemoryPoller, stats: dict) -> dict:
         from tasks.planner import ModelShape
         from tasks.models import ARCHS
 
@@ -396,11 +424,13 @@ class Bench:
             "peak_allocated_gib": None if r.get("peak_allocated_mb") is None else round(r["peak_allocated_mb"] / 1024, 2),
             **{f"{k}_gib": None if r.get(f"{k}_mb") is None else round(r[f"{k}_mb"] / 1024, 2)
                for k in ("loaded_allocated", "load_peak_reserved", "outside_allocator")},
-            "nvidia_smi_peak_gib": round(smi_peak / 1024, 2) if smi_peak else None, "gpu_total_gib": total_gib,
+            "nvidia_smi_peak_gib": round(mem.peak / 1024, 2) if mem.peak else None,
+            "nvidia_smi_device_peak_gib": round(mem.device_peak / 1024, 2) if mem.device_peak else None,
+            "nvidia_smi_processes": mem.processes, "gpu_total_gib": total_gib,
             "mfu": mfu, "eval_loss": round(r["eval_loss"], 4), "final_train_loss": r["loss_curve"][-1][1],
             "loss_curve": r["loss_curve"], "grad_norms": r.get("grad_norms", []),
             "layout": r.get("layout", ""), "overrides": r.get("overrides", []), "allocator": r.get("allocator"),
-            "nvidia_smi_processes": r.get("nvidia_smi_processes"),
+
             "attention_choice": r.get("attention_choice"),
             "training_plan": r.get("training_plan"), "profile": r.get("profile"),
             "flops_per_token": mshape.flops_per_token(stats["mean_length"]),
@@ -481,12 +511,12 @@ def markdown(rep: dict) -> str:
     if planned:
         lines += ["", "## Memory: the planner's prediction against the allocator (GiB)", "",
                   "| run | predicted peak | allocated before step 1 | peak allocated | peak reserved | reserved while "
-                  "loading | device memory outside the allocator | nvidia-smi | PYTORCH_CUDA_ALLOC_CONF |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "loading | device memory outside the allocator | nvidia-smi: the run's processes | nvidia-smi: "
+                  "whole GPU | PYTORCH_CUDA_ALLOC_CONF |", "|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['name']} | {r['training_plan']['predicted_peak_gib']} | {r.get('loaded_allocated_gib')} | "
                   f"{r['peak_allocated_gib']} | {r['peak_reserved_gib']} | {r.get('load_peak_reserved_gib')} | "
-                  f"{r.get('outside_allocator_gib')} | {r['nvidia_smi_peak_gib']} | {r.get('allocator') or '-'} |"
-                  for r in planned]
+                  f"{r.get('outside_allocator_gib')} | {r['nvidia_smi_peak_gib']} | "
+                  f"{r.get('nvidia_smi_device_peak_gib')} | {r.get('allocator') or '-'} |" for r in planned]
         lines += ["", "Processes nvidia-smi listed during each run (peak MiB): " + "; ".join(
             f"{r['name']}: " + ", ".join(f"{k} {v}" for k, v in r["nvidia_smi_processes"].items())
             for r in planned if r.get("nvidia_smi_processes")) if any(r.get("nvidia_smi_processes") for r in planned)

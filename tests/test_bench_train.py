@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -79,3 +80,31 @@ def test_the_workload_never_emits_a_special_token_the_generated_models_pad_row_i
     weights = load_file(next(model.glob("*.safetensors")))
     embed = next(w for name, w in weights.items() if name.endswith("embed_tokens.weight"))
     assert torch.count_nonzero(embed[tok.pad_token_id]) == 0 and tok.pad_token_id in special
+
+
+def test_memory_poller_counts_the_runs_own_processes_not_memory_held_before_it_started(tmp_path, monkeypatch):
+    """nvidia-smi's whole-GPU figure counted the benchmark's own 16 GiB (the 8B weights it had generated) against
+    every run. The poller now sums only the processes that appeared on the run's GPUs after it started. A fake
+    nvidia-smi stands in for the GPUs (there are none here): GPU 0 has the earlier process, GPU 1 someone else's."""
+    bench = load_benchmark("train_speed")
+    state = tmp_path / "apps"
+    state.write_text("100, /usr/bin/python3, GPU-a, 16380\n300, /usr/bin/python3, GPU-b, 9000\n")
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!/bin/sh
+case "$1" in
+  --query-gpu=*) awk -F', ' '{{u[$3] += $4}} END {{printf "0, GPU-a, %d\\n1, GPU-b, %d\\n", u["GPU-a"], u["GPU-b"]}}' {state} ;;
+  --query-compute-apps=*) cat {state} ;;
+esac
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    with bench.MemoryPoller([0]) as mem:
+        state.write_text("100, /usr/bin/python3, GPU-a, 16380\n200, /usr/bin/python3, GPU-a, 73936\n"
+                         "201, /usr/bin/torchrun, GPU-a, 500\n300, /usr/bin/python3, GPU-b, 9000\n")
+        mem.sample()
+        state.write_text("100, /usr/bin/python3, GPU-a, 16380\n200, /usr/bin/python3, GPU-a, 40000\n")
+        mem.sample()
+    assert mem.peak == 73936 + 500  # the run's two processes at their largest
+    assert mem.device_peak == 16380 + 73936 + 500  # what nvidia-smi showed for GPU 0
+    assert mem.processes == {"100 python3": 16380, "200 python3": 73936, "201 torchrun": 500}  # GPU 1's not here
