@@ -11,7 +11,7 @@ The memory model, per rank (bytes):
 - frozen base: 4-bit linear weights (0.5 byte/param + block constants), embeddings/lm_head/norms in their dtype;
 - LoRA: weights, gradients and AdamW moments in fp32 (16 bytes/param);
 - activations saved for backward, per token and layer (no checkpointing): the normed inputs and the residual
-  stream, q/k/v before and after the q/k norms, the attention output, the MLP's gate/up/product; with
+  stream, q and k projected, normed and rotated, v, the attention output, the MLP's gate/up/product; with
   checkpointing only each layer's input is kept (plus one layer recomputed at a time);
 - logits: with a fused linear cross-entropy (Liger) a bounded chunk, else T x vocab in bf16 + fp32 + grad;
 - a fixed reserve for the CUDA context, allocator slack, NCCL buffers and kernels' workspaces.
@@ -90,10 +90,13 @@ class ModelShape:
         """Bytes saved for backward per token, summed over layers."""
         h, i = self.hidden, self.intermediate
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        # q and k three times each (the projection's output, the normed one, the rotated one the attention kernel
+        # keeps), v, the attention's output (o_proj's input), and the MLP's gate, up and their product. The rotated
+        # q/k were missing until measured on an H200 (benchmarks/results/train-bench-1xGPU-20261202-230939): the step
+        # allocated 1.22x (0.6B shape) and 1.11x (8B) what the model without them predicted.
+        per_layer = (4 * h) * residual_bytes + (4 * q + 4 * kv + 3 * i) * dtype_bytes
         if checkpointing:
-            per_layer_full = (4 * h) * residual_bytes + (3 * q + 3 * kv + 3 * i) * dtype_bytes
-            return self.layers * h * residual_bytes + per_layer_full
-        per_layer = (4 * h) * residual_bytes + (3 * q + 3 * kv + 3 * i) * dtype_bytes
+            return self.layers * h * residual_bytes + per_layer
         return self.layers * per_layer
 
 
