@@ -122,12 +122,14 @@ def workload_for(shape: str, rows: int, state: Path, cache: Path, smoke: bool) -
 
 
 class MemoryPoller:
-    """GPU memory nvidia-smi reports for the given device ids while a run is going.
+    """GPU memory nvidia-smi reports for the given device ids while a run is going, on the busiest of them.
 
-    `peak`: the largest total of the processes that appeared on those GPUs after the poller started (the run's own:
+    `peak`: the largest total of the processes that appeared on a GPU after the poller started (the run's own:
     launcher, ranks, their helpers), so memory another process already held (e.g. the benchmark's own, or a
-    lingering one) is not counted against the run; `device_peak`: the whole devices' figure, as nvidia-smi shows it;
-    `processes`: the peak of each process ("<pid> <name>" -> MiB) on those GPUs, including ones that were there before.
+    lingering one) is not counted against the run; where nvidia-smi lists no processes (a container that does not
+    see the host's process ids), the GPU's figure less what it showed when the poller started. `device_peak`: the
+    whole GPU's figure, as nvidia-smi shows it; `processes`: the peak of each process ("<pid> <name>" -> MiB) on those
+    GPUs, including ones that were there before.
     """
 
     def __init__(self, ids: list[int]):
@@ -136,6 +138,7 @@ class MemoryPoller:
         self.device_peak = 0
         self.processes: dict[str, int] = {}
         self.before: set[str] | None = None
+        self.device_before: dict[int, int] = {}
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -147,18 +150,22 @@ class MemoryPoller:
 
     def sample(self) -> None:
         rows = self._query("gpu=index,uuid,memory.used")
+        device = {int(index): int(used) for index, _, used in rows if int(index) in self.ids}
         gpus = {uuid: int(index) for index, uuid, _ in rows}
-        self.device_peak = max([self.device_peak] + [int(used) for index, _, used in rows if int(index) in self.ids])
-        mine = {}
+        apps: dict[str, tuple[int, int]] = {}  # "<pid> <name>" -> (GPU, MiB)
         for pid, name, uuid, used in self._query("compute-apps=pid,process_name,gpu_uuid,used_memory"):
             if gpus.get(uuid) in self.ids and used.isdigit():
                 key = f"{pid} {Path(name).name}"
-                mine[key] = mine.get(key, 0) + int(used)
+                apps[key] = (gpus[uuid], apps.get(key, (0, 0))[1] + int(used))
         if self.before is None:
-            self.before = set(mine)
-        for key, used in mine.items():
+            self.before, self.device_before = set(apps), dict(device)
+        for key, (_, used) in apps.items():
             self.processes[key] = max(self.processes.get(key, 0), used)
-        self.peak = max(self.peak, sum(used for key, used in mine.items() if key not in self.before))
+        for index, used in device.items():
+            self.device_peak = max(self.device_peak, used)
+            own = (sum(mib for key, (gpu, mib) in apps.items() if gpu == index and key not in self.before)
+                   if self.processes else used - self.device_before.get(index, 0))
+            self.peak = max(self.peak, own)
 
     def _poll(self) -> None:
         while True:

@@ -108,3 +108,24 @@ esac
     assert mem.peak == 73936 + 500  # the run's two processes at their largest
     assert mem.device_peak == 16380 + 73936 + 500  # what nvidia-smi showed for GPU 0
     assert mem.processes == {"100 python3": 16380, "200 python3": 73936, "201 torchrun": 500}  # GPU 1's not here
+
+    # Two GPUs: the busiest one's figure, not their sum (as the allocator's peak is the busiest rank's).
+    state.write_text("100, /usr/bin/python3, GPU-a, 16380\n")
+    with bench.MemoryPoller([0, 1]) as both:
+        state.write_text("100, /usr/bin/python3, GPU-a, 16380\n200, /usr/bin/python3, GPU-a, 30000\n"
+                         "300, /usr/bin/python3, GPU-b, 31000\n")
+        both.sample()
+    assert (both.peak, both.device_peak) == (31000, 16380 + 30000)
+
+    # A container where nvidia-smi lists no processes: the GPU's figure less what it held when the run began.
+    state.write_text("")
+    (tmp_path / "bin" / "nvidia-smi").write_text(f"""#!/bin/sh
+case "$1" in
+  --query-gpu=*) cat {tmp_path / 'gpus'} ;;
+esac
+""")
+    (tmp_path / "gpus").write_text("0, GPU-a, 16380\n")
+    with bench.MemoryPoller([0]) as blind:
+        (tmp_path / "gpus").write_text("0, GPU-a, 90816\n")
+        blind.sample()
+    assert (blind.peak, blind.device_peak, blind.processes) == (90816 - 16380, 90816, {})
