@@ -81,9 +81,10 @@ def worker_env(gpu_env: dict[str, str]) -> dict[str, str]:
 
 
 # Packed micro-batches change shape at every step, and the caching allocator's fixed-size segments then fragment:
-# on the Qwen3-8B shape the training bench's step allocated at most 71 GiB but held 95 GiB reserved (116 GiB in
-# nvidia-smi). Expandable segments map more memory into one growing segment instead (PyTorch's documented remedy for
-# varying batch sizes). Training workers get it unless the user's environment sets the allocator itself.
+# on the Qwen3-8B shape the training bench's step allocated at most 70.6 GiB but held 118.6 GiB reserved, against
+# 70.9 GiB with expandable segments at the same tokens/s (benchmarks/results/train-bench-1xGPU-20261202-224238), which
+# map more memory into one growing segment instead (PyTorch's documented remedy for varying batch sizes). Training
+# workers get it unless the user's environment sets the allocator itself.
 TRAINING_ALLOCATOR = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 

@@ -338,7 +338,7 @@ def _train(job: dict) -> dict | None:
               flush=True)
         if resume is not None:
             print(f"resuming from {resume.name} (optimizer, scheduler and RNG state restored)", flush=True)
-    # The weights and the adapter before the first step (the optimizer's state comes with it): the planner's static part.
+    # The weights and the adapter before the first step (the optimizer's state comes in it): the planner's static part.
     loaded_allocated = torch.cuda.memory_allocated() / 2**20 if on_gpu else None
     if resume is not None and 0 < steps <= resumed_from:
         # Killed after its final checkpoint: resuming would take one step past max_steps, so restore that state.
