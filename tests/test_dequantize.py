@@ -117,3 +117,19 @@ def test_training_on_the_dequantized_base_computes_the_qlora_loss_and_gradients(
     assert abs(loss - loss4) < 1e-5, (loss, loss4)
     for name, g in grads.items():
         assert torch.allclose(g, grads4[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_dequantizing_in_place_frees_the_4bit_layers_before_it_returns(base):
+    """The replaced Linear4bit layers are in reference cycles: left to Python's cyclic collector, their 4-bit weights
+    stayed allocated through the training steps (3.3 GiB on the Qwen3-8B shape, measured on an H200)."""
+    import weakref
+
+    import bitsandbytes as bnb
+
+    from tasks.dequantize import dequantize_model
+
+    model = _load(base.path, "float32")
+    layers = [weakref.ref(m) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    weights = [weakref.ref(m.weight) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and dequantize_model(model) == len(layers)
+    assert not [r for r in layers + weights if r() is not None]
