@@ -16,11 +16,11 @@ compiles in a run long enough to repay it), `ours-2gpu` (the same on two GPUs,
 DDP), and `ours-<label>` variants with extra config overrides (`--variant label:key=value,key=value`; a key in
 capitals, e.g. `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`, is an environment variable of that run's training
 worker instead; a label starting with `2gpu-` runs on two GPUs and gets its own `ddp_2gpu_scaling:<label>` beside
-`ours-<label>`). Each run is a
-fresh process; the device is synchronised at every step boundary; steady state skips the warm-up steps and takes
-the median (and min/max) of tokens/s over windows of 5 steps; tokens are real (non-pad) tokens; memory is the peak
-the allocator reserved and the peak nvidia-smi showed for the run's own processes (the whole GPU's figure beside it); MFU counts 4 x (linear + lm_head parameters) FLOPs per token
-(a frozen base: forward and input-gradient backward) plus causal attention, against 989 TFLOP/s (H200 dense bf16).
+`ours-<label>`). Each run is a fresh process; the device is synchronised at every step boundary; steady state skips
+the warm-up steps and takes the median (and min/max) of tokens/s over windows of 5 steps; tokens are real (non-pad)
+tokens; memory is the peak the allocator reserved and the peak nvidia-smi showed for the run's own processes (the
+whole GPU's figure beside it); MFU counts 4 x (linear + lm_head parameters) FLOPs per token (a frozen base: forward
+and input-gradient backward) plus causal attention, against 989 TFLOP/s (H200 dense bf16).
 After training, each adapter's eval loss on 200 held-out rows is measured the same way for every run.
 
 Results accumulate in --state (so several calls on one machine build one report); the report is written to
@@ -119,6 +119,13 @@ def workload_for(shape: str, rows: int, state: Path, cache: Path, smoke: bool) -
 
 
 # ---------------------------------------------------------------- one run
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """A variant's `key=value` items: config overrides, and (keys in capitals) the training worker's environment."""
+    config = [o for o in overrides if not ENV_NAME.match(o.partition("=")[0])]
+    env = dict(o.split("=", 1) for o in overrides if ENV_NAME.match(o.partition("=")[0]))
+    return config, env
 
 
 class MemoryPoller:
@@ -358,8 +365,7 @@ class Bench:
         from tasks.launcher import run_worker, torchrun_module, training_env, write_job
         from tasks.train import liger_setting, training_plan, upcast_setting
 
-        env_overrides = dict(o.split("=", 1) for o in overrides if ENV_NAME.match(o.split("=", 1)[0]))
-        overrides = [o for o in overrides if not ENV_NAME.match(o.split("=", 1)[0])]
+        overrides, env_overrides = split_overrides(overrides)
         _, base, _, _ = self.base_model(shape)
         # A bench run is a few dozen steps of what stands for a long run, whose steady state it measures: there,
         # train.compile=auto compiles the layers after its first steps (tasks/compiling.py); here it never would.
@@ -437,7 +443,6 @@ class Bench:
             "mfu": mfu, "eval_loss": round(r["eval_loss"], 4), "final_train_loss": r["loss_curve"][-1][1],
             "loss_curve": r["loss_curve"], "grad_norms": r.get("grad_norms", []),
             "layout": r.get("layout", ""), "overrides": r.get("overrides", []), "allocator": r.get("allocator"),
-
             "attention_choice": r.get("attention_choice"),
             "training_plan": r.get("training_plan"), "profile": r.get("profile"),
             "flops_per_token": mshape.flops_per_token(stats["mean_length"]),
@@ -524,10 +529,10 @@ def markdown(rep: dict) -> str:
                   f"{r['peak_allocated_gib']} | {r['peak_reserved_gib']} | {r.get('load_peak_reserved_gib')} | "
                   f"{r.get('outside_allocator_gib')} | {r['nvidia_smi_peak_gib']} | "
                   f"{r.get('nvidia_smi_device_peak_gib')} | {r.get('allocator') or '-'} |" for r in planned]
-        lines += ["", "Processes nvidia-smi listed during each run (peak MiB): " + "; ".join(
-            f"{r['name']}: " + ", ".join(f"{k} {v}" for k, v in r["nvidia_smi_processes"].items())
-            for r in planned if r.get("nvidia_smi_processes")) if any(r.get("nvidia_smi_processes") for r in planned)
-                  else ""]
+        listed = [f"{r['name']}: " + ", ".join(f"{k} {v}" for k, v in r["nvidia_smi_processes"].items())
+                  for r in planned if r.get("nvidia_smi_processes")]
+        if listed:
+            lines += ["", "Processes nvidia-smi listed during each run (peak MiB): " + "; ".join(listed)]
     for r in rep["runs"]:
         if r.get("profile"):
             p = r["profile"]
