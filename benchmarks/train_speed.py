@@ -123,6 +123,9 @@ def workload_for(shape: str, rows: int, state: Path, cache: Path, smoke: bool) -
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
     """A variant's `key=value` items: config overrides, and (keys in capitals) the training worker's environment."""
+    for o in overrides:
+        if "=" not in o:
+            raise SystemExit(f"--variant: {o!r} is not key=value (a config key, or an environment variable in capitals)")
     config = [o for o in overrides if not ENV_NAME.match(o.partition("=")[0])]
     env = dict(o.split("=", 1) for o in overrides if ENV_NAME.match(o.partition("=")[0]))
     return config, env
@@ -562,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="write the report from --state and stop")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU: the machinery end to end")
     args = parser.parse_args(argv)
+    for variant in args.variant:  # a malformed variant stops the bench before any run, not after the first ones
+        split_overrides([x for x in variant.partition(":")[2].split(",") if x])
     if args.smoke:
         args.shapes, args.rows, args.steps, args.warmup, args.accumulation = "tiny-llama", 160, 8, 2, 1
         args.runs = "seed,ours"

@@ -129,3 +129,15 @@ esac
         (tmp_path / "gpus").write_text("0, GPU-a, 90816\n")
         blind.sample()
     assert (blind.peak, blind.device_peak, blind.processes) == (90816 - 16380, 90816, {})
+
+
+def test_a_variant_sets_config_keys_and_in_capitals_the_workers_environment_and_a_malformed_one_stops_first():
+    bench = load_benchmark("train_speed")
+    config, env = bench.split_overrides(["train.compile=false", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False"])
+    assert config == ["train.compile=false"]
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    proc = subprocess.run([sys.executable, "benchmarks/train_speed.py", "--variant", "x:NCCL_DEBUG"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "--variant: 'NCCL_DEBUG' is not key=value" in proc.stderr
+    assert "base model ready" not in proc.stdout  # nothing ran
