@@ -7,6 +7,11 @@ script, run here (it needs PyPI), writes ignored folders under `.carry/` with th
   .carry/core        prefect, datasets, kernels, bitsandbytes, liger-kernel, transformers and what they need (~57 MiB)
   .carry/ray         ray[train] without its Java jar, rllib and the dashboard's source maps (~42 MiB; 76 MiB whole)
   .carry/fa4/p1, p2  flash-attn-4 and the CUTLASS DSL (~105 MiB), staged in two parts by stage-for-carry.sh
+  .carry/peers       Unsloth, TRL and what they need beside the image's transformers 5.17 (the training bench's peer
+                     rows): a site of its own, never on the same path as core's transformers (~24 MiB)
+  .carry/bench       what `make bench-train` needs, peers included, in one call (~39 MiB): core without Prefect
+                     (the bench and its workers never import it) for /tmp/site, the peers for /tmp/peers; the
+                     wheels both use are stored once, `site.txt` and `peers.txt` list each site's
 
 It calls `../shared/device/make-wheel-bundle.sh` (which leaves out what the image has) and `stage-for-carry.sh`.
 On the device, install a set with
@@ -14,9 +19,12 @@ On the device, install a set with
 and `printf "import site\\nsite.addsitedir('/tmp/site')\\n" > /tmp/site/sitecustomize.py` (FA4's `.pth` files must
 load in every worker), then `export PYTHONPATH=/tmp/site`; FA4's parts: `bash .carry/fa4/p1/assemble.sh` in one call,
 `bash .carry/fa4/p2/assemble.sh` in the next (the machine keeps /tmp between back-to-back calls), then install
-`/tmp/stage/files/*.whl`. benchmarks/README.md has the commands of each committed proof.
+`/tmp/stage/files/*.whl`. The peers set goes into its own site, `--target /tmp/peers` (no sitecustomize): the
+training bench runs its peer rows with `PYTHONPATH=/tmp/peers` (`--peer-site`). The bench set installs as
+  cd .carry/bench && pip install ... --target /tmp/site $(cat site.txt) && pip install ... --target /tmp/peers $(cat peers.txt)
+benchmarks/README.md has the commands of each committed proof.
 
-    python benchmarks/carry_sets.py               # all three
+    python benchmarks/carry_sets.py               # all of them
     python benchmarks/carry_sets.py core ray      # some
 """
 
@@ -40,8 +48,18 @@ SHARED = REPO.parent / "shared" / "device"
 CARRY = REPO / ".carry"
 # what the core set brings (the image has torch, accelerate, peft, triton, numpy, pyarrow, ...)
 CORE = ["prefect", "datasets", "kernels", "bitsandbytes", "transformers", "liger-kernel"]
+# what the training bench and its workers import of the core set (no Prefect)
+BENCH = ["datasets", "kernels", "bitsandbytes", "transformers", "liger-kernel", "pydantic"]
 # entries of the ray wheel that nothing here uses: the Java workers' jar, RLlib, the dashboard's source maps
 RAY_DROP = re.compile(r"^ray/(jars/|rllib/)|\.map$")
+# the training bench's peers, at the newest versions that run on the image's torch 2.11 and transformers 5.17
+PEERS = ["unsloth==2026.10.9", "unsloth-zoo==2026.10.9", "trl==1.15.0"]
+# what they list but these runs do without: xformers (PyPI's wheels are built for another torch; Unsloth uses PyTorch's
+# attention without it), diffusers (image models only)
+PEERS_SKIP = ["xformers", "diffusers"]
+# Unsloth Studio's web app and its back end (60 MiB of the wheel's 85): not the library
+UNSLOTH_DROP = re.compile(r"^studio/")
+PEERS_LIMIT_MIB = 60
 
 
 def pins() -> dict[str, str]:
@@ -96,6 +114,56 @@ def build_ray(pinned: dict[str, str]) -> None:
     print(f"{out}: {sum(p.stat().st_size for p in out.iterdir()) / 2**20:.1f} MiB")
 
 
+def image_packages() -> str:
+    """The bundle script's list of what the device image already has (`name` or `name==version` a line)."""
+    text = (SHARED / "make-wheel-bundle.sh").read_text()
+    return text.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0] + "\n"
+
+
+def peers_wheels(pinned: dict[str, str], wheels: Path) -> float:
+    """The peers' wheels into `wheels`; their MiB."""
+    with tempfile.TemporaryDirectory() as tmp:
+        exclude = Path(tmp) / "image.txt"
+        exclude.write_text(image_packages() + "\n".join(PEERS_SKIP) + "\n")
+        # bitsandbytes, liger-kernel and pydantic as the core set pins them: this site must not need core's
+        bundle(wheels, [*PEERS, pinned["bitsandbytes"], pinned["liger-kernel"], pinned["pydantic"]], 200,
+               EXCLUDE_FILE=str(exclude))
+    slim_wheel(next(wheels.glob("unsloth-*.whl")), UNSLOTH_DROP)
+    return sum(p.stat().st_size for p in wheels.glob("*.whl")) / 2**20
+
+
+def build_peers(pinned: dict[str, str]) -> None:
+    out = CARRY / "peers"
+    with tempfile.TemporaryDirectory() as tmp:
+        mib = peers_wheels(pinned, Path(tmp) / "wheels")
+        if mib > PEERS_LIMIT_MIB:
+            raise SystemExit(f"{out}: {mib:.1f} MiB, over the {PEERS_LIMIT_MIB} MiB one call carries beside the tree")
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.move(Path(tmp) / "wheels", out)
+    print(f"{out}: {mib:.1f} MiB")
+
+
+def build_bench(pinned: dict[str, str]) -> None:
+    out = CARRY / "bench"
+    with tempfile.TemporaryDirectory() as tmp:
+        site, peers, merged = Path(tmp) / "site", Path(tmp) / "peers", Path(tmp) / "bench"
+        bundle(site, [pinned[n] for n in BENCH], 200, NODEPS="kernels")
+        peers_wheels(pinned, peers)
+        merged.mkdir()
+        for part in (site, peers):
+            names = sorted(p.name for p in part.glob("*.whl"))
+            for name in names:  # a wheel both sites use has one file name and the same bytes: kept once
+                if not (merged / name).exists():
+                    shutil.copy2(part / name, merged / name)
+            (merged / f"{part.name}.txt").write_text("\n".join(names) + "\n")
+        mib = sum(p.stat().st_size for p in merged.glob("*.whl")) / 2**20
+        if mib > PEERS_LIMIT_MIB:
+            raise SystemExit(f"{out}: {mib:.1f} MiB, over the {PEERS_LIMIT_MIB} MiB one call carries beside the tree")
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.move(merged, out)
+    print(f"{out}: {mib:.1f} MiB")
+
+
 def build_fa4(pinned: dict[str, str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         bundle(Path(tmp), [pinned["flash-attn-4"]], 250, PRE="1")
@@ -103,7 +171,7 @@ def build_fa4(pinned: dict[str, str]) -> None:
 
 
 def main() -> int:
-    builders = {"core": build_core, "ray": build_ray, "fa4": build_fa4}
+    builders = {"core": build_core, "ray": build_ray, "fa4": build_fa4, "peers": build_peers, "bench": build_bench}
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sets", nargs="*", metavar="SET", help=f"any of {', '.join(builders)} (default: all)")
     names = parser.parse_args().sets or list(builders)

@@ -23,6 +23,14 @@ whole GPU's figure beside it); MFU counts 4 x (linear + lm_head parameters) FLOP
 and input-gradient backward) plus causal attention, against 989 TFLOP/s (H200 dense bf16).
 After training, each adapter's eval loss on 200 held-out rows is measured the same way for every run.
 
+Peers (benchmarks/peer_recipe.py), rows of the same run: `unsloth` (Unsloth's QLoRA path), `trl` (TRL's SFTTrainer,
+padding-free, Liger, NF4 base) and `trl-bf16` (the same on a bf16 base), each in a process of its own whose
+PYTHONPATH is `--peer-site` (Unsloth pins an older transformers than this project's). `--budgets none,24` runs every
+row once per memory budget (GiB of device memory; ours through `hardware.memory_budget_gib`, the seed and the peers
+through `torch.cuda.set_per_process_memory_fraction`), named `<run>-<shape>-<N>gib`. A row that fails (a peer that
+cannot run here, a run out of memory under its budget) is kept with its error and the bench goes on.
+`speedup.vs_best_peer` is ours over the fastest peer that ran, per shape and budget.
+
 Results accumulate in --state (so several calls on one machine build one report); the report is written to
 --out (default benchmarks/results/train-bench-<N>xGPU-<UTC time>/report.{md,json}).
 """
@@ -53,6 +61,7 @@ EVAL_ROWS = 200
 SUCCESSORS = 4
 CHAIN_VOCAB = 1024  # tokens the chain uses: small enough that a short run learns it
 ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*$")  # a variant's KEY=value in capitals sets the training worker's environment
+PEERS = ("unsloth", "trl", "trl-bf16")  # benchmarks/peer_recipe.py
 
 
 # ---------------------------------------------------------------- workload
@@ -119,6 +128,24 @@ def workload_for(shape: str, rows: int, state: Path, cache: Path, smoke: bool) -
 
 
 # ---------------------------------------------------------------- one run
+
+
+def budget_suffix(budget: int | None) -> str:
+    """A row's name after its shape: nothing without a memory budget, `-<N>gib` with one."""
+    return f"-{budget}gib" if budget else ""
+
+
+def parse_budgets(text: str) -> list[int | None]:
+    """`--budgets none,24`: None for no budget, else whole GiB."""
+    budgets: list[int | None] = []
+    for item in [x.strip() for x in text.split(",") if x.strip()]:
+        if item == "none":
+            budgets.append(None)
+        elif item.isdigit() and int(item) > 0:
+            budgets.append(int(item))
+        else:
+            raise SystemExit(f"--budgets: {item!r} is neither 'none' nor a whole number of GiB")
+    return budgets or [None]
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -339,11 +366,22 @@ class Bench:
     def record(self, name: str, result: dict) -> None:
         (self.runs_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
 
-    def run_seed(self, shape: str, data: Path, stats: dict) -> None:
-        src, base, cfg, plan = self.base_model(shape)
-        name = f"seed-{shape}"
+    def record_error(self, name: str, shape: str, run: str, budget: int | None, error: str) -> None:
+        """A row that did not run: its error, so the report shows why (the bench goes on with the next)."""
+        print(f"[{name}] FAILED: {error.splitlines()[0] if error else ''}", flush=True)
+        self.record(name, {"name": name, "run": run, "shape": shape, "model": f"generated:{shape}",
+                           "memory_budget_gib": budget, "gpus": len(self.gpu_ids[:1]), "host": platform.node(), "error": error,
+                           "tokens_per_second": None})
+
+    def recipe_job(self, shape: str, name: str, data: Path, stats: dict, budget: int | None, **extra) -> tuple:
+        """(bf16 checkpoint, 4-bit base, out dir, job file) for a run of a recipe script (seed, peers)."""
+        src, base, _, _ = self.base_model(shape)
         out = self.state / "out" / name
-        out.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)  # a fresh run: nothing left from an earlier attempt
+        out.mkdir(parents=True)
         from transformers import AutoTokenizer
 
         pad = AutoTokenizer.from_pretrained(src).pad_token_id or 0
@@ -351,17 +389,40 @@ class Bench:
         job.write_text(json.dumps({"out": str(out), "model": str(src), "data": str(data), "steps": self.args.steps,
                                    "gradient_accumulation_steps": self.args.accumulation, "seed": 42,
                                    "learning_rate": self.args.learning_rate, "warmup_steps": self.args.warmup,
-                                   "warmup": self.args.warmup, "pad_token_id": pad}))
+                                   "warmup": self.args.warmup, "pad_token_id": pad, "memory_budget_gib": budget,
+                                   "max_length": stats["max_length"], **extra}))
+        return src, base, out, job
+
+    def run_seed(self, shape: str, data: Path, stats: dict, budget: int | None = None) -> None:
+        name = f"seed-{shape}{budget_suffix(budget)}"
+        _, base, out, job = self.recipe_job(shape, name, data, stats, budget)
         ids = self.gpu_ids[:1]
         with MemoryPoller(ids) as mem:
             run_logged([sys.executable, str(REPO / "benchmarks" / "seed_recipe.py"), str(job)], child_env(ids),
                        out / "train.log", timeout=3600)
         result = json.loads((out / "result.json").read_text())
         result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids, out / "eval.log")
-        self.record(name, self.summarize(name, shape, ids, result, mem, stats))
+        self.record(name, self.summarize(name, shape, ids, result, mem, stats, "seed", budget))
+
+    def run_peer(self, peer: str, shape: str, data: Path, stats: dict, budget: int | None = None) -> None:
+        """A peer (benchmarks/peer_recipe.py) in its own process, with --peer-site as its PYTHONPATH."""
+        name = f"{peer}-{shape}{budget_suffix(budget)}"
+        _, base, out, job = self.recipe_job(shape, name, data, stats, budget, peer=peer)
+        ids = self.gpu_ids[:1]
+        env = child_env(ids)
+        if self.args.peer_site:
+            env["PYTHONPATH"] = self.args.peer_site  # the peers' site alone: never this project's transformers
+        with MemoryPoller(ids) as mem:
+            run_logged([sys.executable, str(REPO / "benchmarks" / "peer_recipe.py"), str(job)], env,
+                       out / "train.log", timeout=3600)
+        result = json.loads((out / "result.json").read_text())
+        result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids, out / "eval.log")
+        row = self.summarize(name, shape, ids, result, mem, stats, peer, budget)
+        row["versions"] = result.get("versions")
+        self.record(name, row)
 
     def run_ours(self, shape: str, data: Path, stats: dict, label: str, gpus: int, overrides: list[str],
-                 profile: bool) -> None:
+                 profile: bool, budget: int | None = None) -> None:
         from tasks.dataset import PreparedDataset
         from tasks.environment import measured_plan
         from tasks.gpus import selection_for
@@ -372,12 +433,14 @@ class Bench:
         _, base, _, _ = self.base_model(shape)
         # A bench run is a few dozen steps of what stands for a long run, whose steady state it measures: there,
         # train.compile=auto compiles the layers after its first steps (tasks/compiling.py); here it never would.
+        if budget:
+            overrides = [f"hardware.memory_budget_gib={budget}", *overrides]
         cfg = self.config(shape, ["train.compile=true", *overrides])
         ids = self.gpu_ids[:gpus]
         sel = selection_for(",".join(map(str, ids)) if ids else "cpu", self.env.gpus)
         plan, _ = measured_plan(cfg, self.env, sel, self.state / "work" / shape)  # as a flow run plans it
         print(f"[{label}-{shape}] training attention {plan.train_attn}: {plan.attention_choice['train']}", flush=True)
-        name = f"{label}-{shape}"
+        name = f"{label}-{shape}{budget_suffix(budget)}"
         out = self.state / "out" / name
         if out.exists():
             import shutil
@@ -405,9 +468,10 @@ class Bench:
         result["grad_norms"] = logged(out / "train.log", "grad_norm")
         if (out / "profile.json").is_file():
             result["profile"] = json.loads((out / "profile.json").read_text())
-        self.record(name, self.summarize(name, shape, ids, result, mem, stats))
+        self.record(name, self.summarize(name, shape, ids, result, mem, stats, label, budget))
 
-    def summarize(self, name: str, shape: str, ids: list[int], r: dict, mem: MemoryPoller, stats: dict) -> dict:
+    def summarize(self, name: str, shape: str, ids: list[int], r: dict, mem: MemoryPoller, stats: dict,
+                  run: str, budget: int | None) -> dict:
         from tasks.planner import ModelShape
         from tasks.models import ARCHS
 
@@ -426,7 +490,8 @@ class Bench:
 
             total_gib = round(next(g.memory_total_mib for g in read_inventory() if g.index == ids[0]) / 1024, 1)
         row = {
-            "name": name, "model": f"generated:{shape}", "gpus": len(ids), "gpu": gname,
+            "name": name, "run": run, "shape": shape, "memory_budget_gib": budget, "model": f"generated:{shape}",
+            "gpus": len(ids), "gpu": gname, "host": platform.node(),
             "tokens_per_second": steady, "tokens_per_second_min": r["steady_state"]["min"],
             "tokens_per_second_max": r["steady_state"]["max"], "windows": r["steady_state"]["windows"],
             "whole_run_tokens_per_second": r["tokens_per_second"], "train_tokens": r["train_tokens"],
@@ -491,11 +556,22 @@ def build_report(state: Path, env, command: str) -> dict:
             key = "ddp_2gpu_scaling" if rest == shape else f"ddp_2gpu_scaling:{rest[:-len(shape) - 1]}"
             if one and one["tokens_per_second"] and r["tokens_per_second"]:
                 speedup[key] = round(r["tokens_per_second"] / one["tokens_per_second"], 2)
-    workload = {p.parent.name: json.loads(p.read_text()) for p in (state / "workload").glob("*/stats.json")}
+    best_peer: dict[str, str] = {}
+    for ours in [r for r in runs if r.get("run") == "ours" and r.get("tokens_per_second")]:
+        key = ours["shape"] + budget_suffix(ours.get("memory_budget_gib"))
+        peers = [r for r in runs if r.get("run") in PEERS and r.get("tokens_per_second") and
+                 r["shape"] == ours["shape"] and r.get("memory_budget_gib") == ours.get("memory_budget_gib")]
+        if peers:
+            best = max(peers, key=lambda r: r["tokens_per_second"])
+            speedup.setdefault("vs_best_peer", {})[key] = round(ours["tokens_per_second"] / best["tokens_per_second"], 2)
+            best_peer[key] = best["name"]
+    imported = state / "imported-workload.json"
+    workload = json.loads(imported.read_text()) if imported.is_file() else {}
+    workload.update({p.parent.name: json.loads(p.read_text()) for p in (state / "workload").glob("*/stats.json")})
     return {"date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"), "command": command,
             "host": platform.node(), "python": platform.python_version(),
             "gpus": [g.model_dump() for g in env.gpus], "driver": env.driver_version, "cuda": env.cuda_version,
-            "versions": versions(), "workload": workload, "runs": runs, "speedup": speedup,
+            "versions": versions(), "workload": workload, "runs": runs, "speedup": speedup, "best_peer": best_peer,
             "eval_loss_relative_to_seed": quality,
             "flop_model": "4 x (linear + lm_head params) per token (frozen base: forward + input-gradient backward) "
                           "+ causal attention (QK^T and PV, backward 2x forward); MFU against 989 TFLOP/s dense bf16"}
@@ -511,15 +587,25 @@ def markdown(rep: dict) -> str:
     for name, w in rep["workload"].items():
         lines.append(f"- workload `{name}`: {w['rows']} rows, lengths median {w['median_length']}, mean "
                      f"{w['mean_length']}, {w['min_length']}..{w['max_length']}; {w['tokens']} tokens")
-    lines += ["", "| run | GPUs | tokens/s (steady, median) | min..max | MFU | peak reserved GiB | nvidia-smi GiB | "
-              "eval loss | run s (beyond steady) | layout |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rep["runs"]:
-        lines.append(f"| {r['name']} | {r['gpus']} | {r['tokens_per_second']} | {r['tokens_per_second_min']}.."
-                     f"{r['tokens_per_second_max']} | {r['mfu']} | {r['peak_reserved_gib']} | "
-                     f"{r['nvidia_smi_peak_gib']} | {r['eval_loss']} | {r.get('train_seconds')} "
-                     f"({r.get('warmup_overhead_seconds')}) | {_layout(r)} |")
+    ran = [r for r in rep["runs"] if not r.get("error")]
+    lines += ["", "| run | budget GiB | GPUs | tokens/s (steady, median) | min..max | MFU | peak reserved GiB | "
+              "nvidia-smi GiB | eval loss | run s (beyond steady) | layout |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ran:
+        lines.append(f"| {r['name']} | {r.get('memory_budget_gib') or '-'} | {r['gpus']} | {r['tokens_per_second']} | "
+                     f"{r['tokens_per_second_min']}..{r['tokens_per_second_max']} | {r['mfu']} | "
+                     f"{r['peak_reserved_gib']} | {r['nvidia_smi_peak_gib']} | {r['eval_loss']} | "
+                     f"{r.get('train_seconds')} ({r.get('warmup_overhead_seconds')}) | {_layout(r)} |")
+    failed = [r for r in rep["runs"] if r.get("error")]
+    if failed:
+        lines += ["", "## Rows that did not run", ""]
+        for r in failed:
+            lines += [f"- **{r['name']}** (budget {r.get('memory_budget_gib') or 'none'}):", "", "```",
+                      *r["error"].splitlines()[-25:], "```", ""]
     lines += ["", "## Speedup (ours / seed, steady-state real tokens/s)", ""]
-    lines += [f"- {k}: {v}" for k, v in rep["speedup"].items()]
+    lines += [f"- {k}: {v}" for k, v in rep["speedup"].items() if k != "vs_best_peer"]
+    if rep["speedup"].get("vs_best_peer"):
+        lines += ["", "## Ours over the fastest peer that ran (same shape and budget)", ""]
+        lines += [f"- {k}: {v} (against {rep['best_peer'][k]})" for k, v in rep["speedup"]["vs_best_peer"].items()]
     lines += ["", "## Eval loss of ours relative to the seed (same steps and effective batch)", ""]
     lines += [f"- {k}: {v:+.2%}" for k, v in rep["eval_loss_relative_to_seed"].items()]
     planned = [r for r in rep["runs"] if r.get("training_plan") and r.get("peak_allocated_gib") is not None]
@@ -550,7 +636,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
-    parser.add_argument("--runs", default="seed,ours,ours-2gpu", help="seed, ours, ours-2gpu (where 2 GPUs)")
+    parser.add_argument("--runs", help="seed, ours, ours-2gpu (where 2 GPUs), and the peers: " + ", ".join(PEERS) +
+                        " (default seed,ours,ours-2gpu; with --smoke seed,ours)")
+    parser.add_argument("--budgets", default="none", help="memory budgets in GiB, e.g. none,24: every row once each")
+    parser.add_argument("--peer-site", help="PYTHONPATH of the peers' processes (their own site; default: ours)")
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL:key=value,...",
                         help="an extra run of ours with config overrides, named ours-LABEL; a LABEL starting "
                         "with 2gpu- runs on two GPUs (DDP), e.g. 2gpu-noliger:train.liger_kernel=false")
@@ -563,51 +652,87 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state", default="/tmp/finetune-flows-train-bench")
     parser.add_argument("--out", help="report directory (default benchmarks/results/train-bench-<N>xGPU-<time>)")
     parser.add_argument("--report-only", action="store_true", help="write the report from --state and stop")
+    parser.add_argument("--resume-from", metavar="REPORT_JSON", help="a report whose rows --state lacks (an earlier "
+                        "call's, on a machine that did not keep --state): they join this report, each row naming its host")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU: the machinery end to end")
     args = parser.parse_args(argv)
     for variant in args.variant:  # a malformed variant stops the bench before any run, not after the first ones
         split_overrides([x for x in variant.partition(":")[2].split(",") if x])
+    budgets = parse_budgets(args.budgets)
+    args.runs = args.runs or ("seed,ours" if args.smoke else "seed,ours,ours-2gpu")
+    unknown = [r for r in args.runs.split(",") if r and r not in ("seed", "ours", "ours-2gpu", *PEERS)]
+    if unknown:
+        parser.error(f"unknown run(s) {', '.join(unknown)}: seed, ours, ours-2gpu, {', '.join(PEERS)}")
     if args.smoke:
         args.shapes, args.rows, args.steps, args.warmup, args.accumulation = "tiny-llama", 160, 8, 2, 1
-        args.runs = "seed,ours"
     state = Path(args.state)
+    if args.resume_from:
+        resume_rows(Path(args.resume_from), state)
     env = run_probe(state / "probe")
     command = "python benchmarks/train_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
     bench = Bench(args, env)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"train-bench-{len(env.gpus)}xGPU-{stamp}"
+    failures = 0
     if not args.report_only:
         for shape in [s for s in args.shapes.split(",") if s]:
             data, stats = workload_for(shape, args.rows, state, bench.cache, args.smoke)
-            for run in [r for r in args.runs.split(",") if r]:
-                if run == "seed":
-                    bench.run_seed(shape, data, stats)
-                    write_report(state, env, command, out)
-                elif run == "ours":
-                    bench.run_ours(shape, data, stats, "ours", 1, [], False)
-                    if args.profile:  # a separate run, so the profiler never slows the measured one
-                        bench.run_ours(shape, data, stats, "ours-profile", 1, [], True)
-                elif run == "ours-2gpu":
-                    if len(bench.gpu_ids) >= 2:
-                        bench.run_ours(shape, data, stats, "ours-2gpu", 2, [], False)
-                        write_report(state, env, command, out)
+            for budget in budgets:
+                jobs = []  # (row name, run, callable)
+                for run in [r for r in args.runs.split(",") if r]:
+                    if run == "seed":
+                        jobs.append(("seed", lambda: bench.run_seed(shape, data, stats, budget)))
+                    elif run == "ours":
+                        jobs.append(("ours", lambda: bench.run_ours(shape, data, stats, "ours", 1, [], False, budget)))
+                        if args.profile:  # a separate run, so the profiler never slows the measured one
+                            jobs.append(("ours-profile", lambda: bench.run_ours(shape, data, stats, "ours-profile", 1,
+                                                                                [], True, budget)))
+                    elif run == "ours-2gpu":
+                        if len(bench.gpu_ids) >= 2:
+                            jobs.append(("ours-2gpu", lambda: bench.run_ours(shape, data, stats, "ours-2gpu", 2, [],
+                                                                             False, budget)))
+                        else:
+                            print(f"[{shape}] ours-2gpu skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
                     else:
-                        print(f"[{shape}] ours-2gpu skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
-                else:
-                    raise SystemExit(f"unknown run {run!r}")
-                write_report(state, env, command, out)
-            for variant in args.variant:
-                label, _, kv = variant.partition(":")
-                gpus = 2 if label.startswith("2gpu-") else 1  # 2gpu-<label>: the variant on two GPUs (DDP)
-                if gpus > max(1, len(bench.gpu_ids)):
-                    print(f"[{shape}] ours-{label} skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
-                    continue
-                bench.run_ours(shape, data, stats, f"ours-{label}", gpus, [x for x in kv.split(",") if x],
-                               args.profile)
-                write_report(state, env, command, out)
+                        jobs.append((run, lambda run=run: bench.run_peer(run, shape, data, stats, budget)))
+                for variant in args.variant:
+                    label, _, kv = variant.partition(":")
+                    gpus = 2 if label.startswith("2gpu-") else 1  # 2gpu-<label>: the variant on two GPUs (DDP)
+                    if gpus > max(1, len(bench.gpu_ids)):
+                        print(f"[{shape}] ours-{label} skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
+                        continue
+                    items = [x for x in kv.split(",") if x]
+                    jobs.append((f"ours-{label}", lambda label=label, gpus=gpus, items=items: bench.run_ours(
+                        shape, data, stats, f"ours-{label}", gpus, items, args.profile, budget)))
+                for run, job in jobs:
+                    try:
+                        job()
+                    except Exception as exc:  # the row keeps its error; the others still run
+                        failures += 1
+                        bench.record_error(f"{run}-{shape}{budget_suffix(budget)}", shape,
+                                           run.removesuffix("-profile"), budget, f"{type(exc).__name__}: {exc}")
+                    write_report(state, env, command, out)
     print(markdown(write_report(state, env, command, out)))
     print(f"report: {out}", flush=True)
-    return 0
+    return 1 if failures else 0
+
+
+def resume_rows(report: Path, state: Path) -> int:
+    """The rows of an earlier report that --state lacks, written into it (a row already there is kept), and its
+    workload statistics beside them; how many rows were added."""
+    rep = json.loads(report.read_text())
+    (state / "runs").mkdir(parents=True, exist_ok=True)
+    added = 0
+    for run in rep["runs"]:
+        path = state / "runs" / f"{run['name']}.json"
+        if not path.exists():
+            path.write_text(json.dumps(run, indent=2))
+            added += 1
+    imported = state / "imported-workload.json"
+    workload = json.loads(imported.read_text()) if imported.is_file() else {}
+    imported.write_text(json.dumps({**rep.get("workload", {}), **workload}, indent=2))
+    print(f"{added} row(s) from {report}", flush=True)
+    return added
 
 
 def write_report(state: Path, env, command: str, out: Path) -> dict:

@@ -1,0 +1,176 @@
+"""The peers of `make bench-train`: the tools a user who wants fast QLoRA picks instead of this project.
+
+    python benchmarks/peer_recipe.py job.json      (benchmarks/train_speed.py writes the job and runs this)
+
+Each runs in a process of its own, with the peers' own site on PYTHONPATH (Unsloth pins transformers <= 5.17):
+
+- `unsloth`: `FastLanguageModel.from_pretrained(<the local checkpoint>, load_in_4bit=True)`, `get_peft_model` with
+  LoRA r=16 alpha=32 on the 7 projections and `use_gradient_checkpointing="unsloth"`, Unsloth's defaults otherwise
+  (LoRA dropout 0, its own padding-free choice), TRL's `SFTTrainer` as Unsloth patches it;
+- `trl`: TRL's `SFTTrainer` loading the checkpoint itself with bitsandbytes NF4 (double quantization, bf16 compute),
+  `padding_free=True`, `use_liger_kernel=True`, PEFT LoRA r=16 alpha=32 dropout 0 on the 7 projections;
+- `trl-bf16`: the same on the bf16 base.
+
+TRL's gradient checkpointing (its default) is on under a memory budget and off without one (the faster choice where
+memory allows). Every peer trains the bench's rows with the same effective batch (8 rows x the accumulation), steps,
+learning rate, cosine schedule, warm-up, optimizer (adamw_torch) and step clock as the seed recipe; a memory budget is
+`torch.cuda.set_per_process_memory_fraction`, so a peer that needs more fails as on a smaller GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tasks.dataset import load_split  # noqa: E402
+from tasks.train_worker import StepClock, steady_state  # noqa: E402
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PEERS = ("unsloth", "trl", "trl-bf16")
+
+
+class TokenCounter:
+    """Wraps a peer's own collator and counts the real tokens of the rows it batches (padding-free or not)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.tokens = 0
+
+    def __call__(self, rows):
+        self.tokens += sum(len(r["input_ids"]) for r in rows)
+        return self.inner(rows)
+
+
+def versions() -> dict[str, str | None]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("unsloth", "unsloth_zoo", "trl", "transformers", "peft", "bitsandbytes", "liger-kernel", "datasets",
+                 "torch"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def budget(job: dict) -> None:
+    import torch
+
+    gib = job.get("memory_budget_gib")
+    if gib and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), 0)
+
+
+def sft_config(job: dict, on_gpu: bool, **extra):
+    from trl import SFTConfig
+
+    return SFTConfig(
+        output_dir=str(Path(job["out"]) / "checkpoints"), per_device_train_batch_size=8,
+        gradient_accumulation_steps=job["gradient_accumulation_steps"], max_steps=job["steps"],
+        learning_rate=job["learning_rate"], lr_scheduler_type="cosine", warmup_steps=job["warmup_steps"],
+        optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, bf16=on_gpu, use_cpu=not on_gpu,
+        logging_steps=5, save_strategy="no", report_to=[], disable_tqdm=True, seed=job["seed"], max_length=None,
+        dataset_num_proc=None, **extra)
+
+
+def build_unsloth(job: dict, rows):
+    import unsloth  # noqa: F401  (first: it patches transformers and TRL)
+    from unsloth import FastLanguageModel
+    from trl import SFTTrainer
+
+    model, tokenizer = FastLanguageModel.from_pretrained(model_name=job["model"], max_seq_length=job["max_length"],
+                                                         load_in_4bit=True, dtype=None)
+    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, target_modules=PROJECTIONS,
+                                             use_gradient_checkpointing="unsloth", random_state=job["seed"])
+    trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=rows,
+                         args=sft_config(job, True))
+    return trainer, (f"Unsloth {unsloth.__version__}: NF4 base, LoRA dropout 0, gradient checkpointing 'unsloth', "
+                     f"padding-free {bool(getattr(trainer.args, 'padding_free', False))}")
+
+
+def build_trl(job: dict, rows, bf16_base: bool, on_gpu: bool):
+    import torch
+    import trl
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, BitsAndBytesConfig
+    from trl import SFTTrainer
+
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    quant = None if bf16_base else BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+    checkpointing = bool(job.get("memory_budget_gib"))
+    liger = on_gpu  # Liger's kernels are Triton: CUDA only
+    args = sft_config(job, on_gpu, padding_free=True, use_liger_kernel=liger, gradient_checkpointing=checkpointing,
+                      model_init_kwargs={"dtype": dtype, "attn_implementation": "sdpa",
+                                         "device_map": {"": 0 if on_gpu else "cpu"}})
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=PROJECTIONS, task_type="CAUSAL_LM")
+    trainer = SFTTrainer(model=job["model"], args=args, train_dataset=rows,
+                         processing_class=AutoTokenizer.from_pretrained(job["model"]), quantization_config=quant,
+                         peft_config=lora)
+    base = "bf16 base" if bf16_base else "NF4 base"
+    return trainer, (f"TRL {trl.__version__} SFTTrainer: {base}, padding-free, Liger {'on' if liger else 'off (CPU)'}, "
+                     f"gradient checkpointing {'on' if checkpointing else 'off'}, LoRA dropout 0, sdpa")
+
+
+def main(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    peer = job["peer"]
+    if peer not in PEERS:
+        raise SystemExit(f"unknown peer {peer!r}: one of {', '.join(PEERS)}")
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "UNSLOTH_DISABLE_STATISTICS"):
+        os.environ.setdefault(key, "1")
+    if peer == "unsloth":
+        import unsloth  # noqa: F401  (before torch's and transformers' first import, as Unsloth asks)
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    out = Path(job["out"])
+    on_gpu = torch.cuda.is_available()
+    budget(job)
+    rows = Dataset.from_list(load_split(Path(job["data"]), "train"))
+    if peer == "unsloth":
+        trainer, layout = build_unsloth(job, rows)
+    else:
+        trainer, layout = build_trl(job, rows, peer == "trl-bf16", on_gpu)
+    counter = TokenCounter(trainer.data_collator)
+    trainer.data_collator = counter
+    clock = StepClock(counter, torch.cuda.synchronize if on_gpu else (lambda: None))
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock.start()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_end(state.global_step)
+
+    trainer.add_callback(Clock())
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - started
+    trainer.model.save_pretrained(out / "adapter")
+    curve = [(int(e["step"]), float(e["loss"])) for e in trainer.state.log_history if "loss" in e]
+    result = {
+        "versions": versions(), "steps": trainer.state.global_step, "train_tokens": counter.tokens, "train_seconds": round(seconds, 2),
+        "tokens_per_second": round(counter.tokens / seconds, 1),
+        "steady_state": steady_state(clock.steps, 1.0, job["warmup"]),
+        "peak_memory_mb": round(torch.cuda.max_memory_reserved() / 2**20, 1) if on_gpu else None,
+        "peak_allocated_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if on_gpu else None,
+        "loss_curve": curve, "adapter_path": str(out / "adapter"),
+        "layout": f"{layout}; batches of 8 rows x {job['gradient_accumulation_steps']} accumulation",
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,113 @@
+"""The training bench's peer rows (Unsloth, TRL) and memory budgets: the report side, on the CPU.
+
+The peers themselves need a GPU (Unsloth refuses to import without one; TRL 1.15's fused LM head is a Triton kernel),
+so what runs here is the bench's handling of their rows: the ratio against the fastest peer per shape and budget,
+rows that failed kept with their error, and the budget list.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, load_benchmark
+
+
+def row(name: str, run: str, shape: str, speed: float | None, budget: int | None = None, **extra) -> dict:
+    base = {"name": name, "run": run, "shape": shape, "memory_budget_gib": budget, "model": f"generated:{shape}",
+            "gpus": 1, "tokens_per_second": speed, "tokens_per_second_min": speed, "tokens_per_second_max": speed,
+            "mfu": None, "peak_reserved_gib": 1.0, "nvidia_smi_peak_gib": 1.2, "eval_loss": 2.0, "layout": run}
+    return {**base, **extra}
+
+
+def test_ours_over_the_fastest_peer_per_shape_and_budget_and_failed_rows_keep_their_error(tmp_path):
+    from types import SimpleNamespace
+
+    bench = load_benchmark("train_speed")
+    runs = [row("ours-qwen3-0.6b", "ours", "qwen3-0.6b", 100.0), row("trl-qwen3-0.6b", "trl", "qwen3-0.6b", 40.0),
+            row("unsloth-qwen3-0.6b", "unsloth", "qwen3-0.6b", 50.0),
+            row("trl-bf16-qwen3-0.6b", "trl-bf16", "qwen3-0.6b", None,
+                error="RuntimeError: peer exited 1:\ntorch.OutOfMemoryError: CUDA out of memory"),
+            # a budget's rows are compared only with each other: the unlimited trl row is faster but not counted
+            row("ours-qwen3-8b-24gib", "ours", "qwen3-8b", 30.0, 24),
+            row("unsloth-qwen3-8b-24gib", "unsloth", "qwen3-8b", 12.0, 24),
+            row("trl-qwen3-8b", "trl", "qwen3-8b", 60.0),
+            # a peer without an ours row of its shape and budget gives no ratio
+            row("trl-qwen3-8b-12gib", "trl", "qwen3-8b", 5.0, 12)]
+    (tmp_path / "runs").mkdir()
+    for r in runs:
+        (tmp_path / "runs" / f"{r['name']}.json").write_text(json.dumps(r))
+    env = SimpleNamespace(gpus=[], driver_version=None, cuda_version=None)
+    report = bench.build_report(tmp_path, env, "cmd")
+    assert report["speedup"]["vs_best_peer"] == {"qwen3-0.6b": 2.0, "qwen3-8b-24gib": 2.5}
+    assert report["best_peer"] == {"qwen3-0.6b": "unsloth-qwen3-0.6b", "qwen3-8b-24gib": "unsloth-qwen3-8b-24gib"}
+    md = bench.markdown(report)
+    table = md.split("## Rows that did not run")[0]
+    assert "| trl-bf16-qwen3-0.6b |" not in table and "| ours-qwen3-8b-24gib | 24 |" in table
+    assert "**trl-bf16-qwen3-0.6b** (budget none)" in md and "torch.OutOfMemoryError: CUDA out of memory" in md
+    assert "- qwen3-8b-24gib: 2.5 (against unsloth-qwen3-8b-24gib)" in md
+
+
+def test_budgets_are_none_or_whole_gib_and_name_the_rows():
+    bench = load_benchmark("train_speed")
+    assert bench.parse_budgets("none,24") == [None, 24]
+    assert bench.parse_budgets("") == [None]
+    with pytest.raises(SystemExit, match="'12gib' is neither 'none' nor a whole number of GiB"):
+        bench.parse_budgets("none,12gib")
+    assert bench.budget_suffix(None) == "" and bench.budget_suffix(12) == "-12gib"
+
+
+def test_an_unknown_run_stops_the_bench_before_anything_runs():
+    proc = subprocess.run([sys.executable, "benchmarks/train_speed.py", "--runs", "ours,axolotl"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "unknown run(s) axolotl" in proc.stderr
+    assert "base model ready" not in proc.stdout
+
+
+def test_the_peers_token_count_is_their_rows_real_tokens_whatever_their_collator_makes_of_them():
+    peers = load_benchmark("peer_recipe")
+    seen = []
+    counter = peers.TokenCounter(lambda rows: seen.append(len(rows)) or {"flat": sum(len(r["input_ids"]) for r in rows)})
+    assert counter([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}]) == {"flat": 4}
+    counter([{"input_ids": [5, 6]}])
+    assert counter.tokens == 6 and seen == [2, 1]
+
+
+@pytest.mark.slow
+def test_a_peer_that_fails_is_a_row_with_its_error_and_the_seed_still_runs(tmp_path):
+    """On this CPU the TRL peer cannot train (its site here has no TRL, or TRL's fused LM head finds no Triton): the
+    report keeps the row with the peer's own last lines, the seed recipe runs after it, the exit status is 1."""
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "benchmarks/train_speed.py", "--smoke", "--runs", "trl,seed", "--state",
+                           str(tmp_path / "state"), "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=1500)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    by = {r["name"]: r for r in report["runs"]}
+    assert by["seed-tiny-llama"]["tokens_per_second"] > 0
+    failed = by["trl-tiny-llama"]
+    assert failed["error"].startswith("RuntimeError: ") and failed["tokens_per_second"] is None
+    last = (tmp_path / "state" / "out" / "trl-tiny-llama" / "train.log").read_text().strip().splitlines()[-1]
+    assert last in failed["error"] and last in (out / "report.md").read_text()
+
+
+def test_an_earlier_calls_rows_join_the_state_without_replacing_what_is_there(tmp_path):
+    bench = load_benchmark("train_speed")
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"runs": [row("ours-qwen3-8b", "ours", "qwen3-8b", 10.0, host="a"),
+                                            row("trl-qwen3-8b", "trl", "qwen3-8b", 5.0, host="a")],
+                                   "workload": {"qwen3-8b-4000-from151669": {"rows": 4000}}}))
+    state = tmp_path / "state"
+    (state / "runs").mkdir(parents=True)
+    (state / "runs" / "trl-qwen3-8b.json").write_text(json.dumps(row("trl-qwen3-8b", "trl", "qwen3-8b", 6.0, host="b")))
+    assert bench.resume_rows(earlier, state) == 1
+    assert json.loads((state / "runs" / "trl-qwen3-8b.json").read_text())["host"] == "b"
+    assert json.loads((state / "runs" / "ours-qwen3-8b.json").read_text())["host"] == "a"
+    from types import SimpleNamespace
+
+    report = bench.build_report(state, SimpleNamespace(gpus=[], driver_version=None, cuda_version=None), "cmd")
+    assert report["workload"] == {"qwen3-8b-4000-from151669": {"rows": 4000}}
+    assert report["speedup"]["vs_best_peer"] == {"qwen3-8b": 1.67}
