@@ -11,7 +11,11 @@
 3. Every variant answers every prompt greedily (`--new-tokens`), base then base + adapter, after an untimed
    warm-up on a few prompts: `generate` is the reference engine (model.generate on the 4-bit model in batches
    of `--baseline-batch`); `static`/`continuous` are the new engines on the dequantized evaluation copy,
-   with each attention backend that is installed and usable on this GPU.
+   with each attention backend that is installed and usable on this GPU; `generate-static` is transformers' own
+   fast path on that same copy: generate() with `cache_implementation="static"`, whose decode steps generate
+   compiles itself on CUDA (CompileConfig's defaults: torch.compile, mode reduce-overhead), the cache sized once
+   for the longest prompt (`max_cache_len`) so every batch reuses one cache shape, batches as many rows as
+   `--batch-tokens` holds at that length, prompts longest first as the static engine takes them.
 4. benchmarks/results/eval-bench-<N>xGPU-<time>/report.{md,json}: per variant generation seconds, generated
    tokens/s, time to first result, peak memory (GPU: max reserved; CPU: peak RSS), exact match, and greedy
    agreement with the reference. `seconds`/`speedup` are for what `eval.engine: auto` with
@@ -257,11 +261,13 @@ def main() -> int:
     parser.add_argument("--baseline-batch", type=int, default=50, help="reference engine batch size")
     parser.add_argument("--batch-tokens", type=int, default=None, help="static/continuous tokens per batch "
                         "(default: what the eval worker picks)")
-    parser.add_argument("--variants", default="generate,static,static-sdpa-decode,static-eager,continuous",
+    parser.add_argument("--variants", default="generate,static,static-sdpa-decode,static-eager,continuous,"
+                        "generate-static",
                         help="comma list from generate, static (the default engine: on CUDA its decode steps run "
                         "graphed on a grouped-query attention that reads each KV head once), static-sdpa-decode "
                         "(the decode steps on transformers' sdpa instead), static-eager, continuous, "
-                        "continuous-graphs")
+                        "continuous-graphs, generate-static (transformers' generate() with its static cache and "
+                        "compiled decode steps on the same copy)")
     parser.add_argument("--backends", default=None, help="comma list of attention backends (default: those `auto` "
                         "considers that are usable here; add flex_attention or a Hub kernel id by name)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs of each fast variant, median "
@@ -325,7 +331,22 @@ def main() -> int:
         return lambda k: generate_continuous(copy_model, ids[:k] if k else ids, new, stops, pad,
                                              min(batch_tokens, 16384), memory(), cuda_graphs=graphs)
 
+    cache_len = max(map(len, ids)) + new
+    library_batch = max(1, batch_tokens // cache_len)
+
+    def library(k):
+        order = sorted(range(k or len(ids)), key=lambda i: -len(ids[i]))
+        gen = generate_reference(copy_model, tokenizer, [prompts[i] for i in order], new, library_batch,
+                                 cache_implementation="static", max_cache_len=cache_len)
+        tokens = [[]] * len(order)
+        for position, i in enumerate(order):
+            tokens[i] = gen.tokens[position]
+        gen.tokens = tokens  # in prompt order, as every engine answers
+        gen.details["compiled_decode"] = hasattr(copy_model.get_base_model(), "_compiled_call")
+        return gen
+
     engines = {"static": static(None), "static-sdpa-decode": static(None, grouped=False), "static-eager": static(False),
+               "generate-static": library,
                "continuous": continuous(None),
                "continuous-graphs": continuous(True)}
     wanted = args.variants.split(",")

@@ -16,11 +16,15 @@ compiles in a run long enough to repay it), `ours-2gpu` (the same on two GPUs,
 DDP), and `ours-<label>` variants with extra config overrides (`--variant label:key=value,key=value`; a key in
 capitals, e.g. `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`, is an environment variable of that run's training
 worker instead; a label starting with `2gpu-` runs on two GPUs and gets its own `ddp_2gpu_scaling:<label>` beside
-`ours-<label>`). Each run is a fresh process; the device is synchronised at every step boundary; steady state skips
-the warm-up steps and takes the median (and min/max) of tokens/s over windows of 5 steps; tokens are real (non-pad)
-tokens; memory is the peak the allocator reserved and the peak nvidia-smi showed for the run's own processes (the
-whole GPU's figure beside it); MFU counts 4 x (linear + lm_head parameters) FLOPs per token (a frozen base: forward
-and input-gradient backward) plus causal attention, against 989 TFLOP/s (H200 dense bf16).
+`ours-<label>`). A memory budget is a variant too (`hardware.memory_budget_gib`: the planner plans within it and
+the training worker caps its allocator there): as a variant runs for every shape, give each budget its shape, in calls
+that share --state, e.g. `--shapes qwen3-8b --runs= --variant b24:hardware.memory_budget_gib=24`, then
+`--shapes qwen3-0.6b --runs= --variant b12:hardware.memory_budget_gib=12`. Each run is a fresh process; the device
+is synchronised at every step boundary; steady state skips the warm-up steps and takes the median (and min/max) of
+tokens/s over windows of 5 steps; tokens are real (non-pad) tokens; memory is the peak the allocator reserved and the
+peak nvidia-smi showed for the run's own processes (the whole GPU's figure beside it); MFU counts 4 x (linear +
+lm_head parameters) FLOPs per token (a frozen base: forward and input-gradient backward) plus causal attention,
+against 989 TFLOP/s (H200 dense bf16).
 After training, each adapter's eval loss on 200 held-out rows is measured the same way for every run.
 
 Peers (benchmarks/peer_recipe.py), rows of the same run: `unsloth` (Unsloth's QLoRA path), `trl` (TRL's SFTTrainer,

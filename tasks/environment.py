@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import socket
@@ -186,6 +187,10 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
                         "and the Hugging Face Hub is unreachable")
     if cfg.data.source.startswith("hub:") and not env.hub_reachable:
         problems.append(f"data.source={cfg.data.source} needs the Hugging Face Hub, which is unreachable")
+    budget = cfg.hardware.memory_budget_gib
+    problems += [f"hardware.memory_budget_gib={budget:g} is more than GPU {g.index} ({g.name}) has: "
+                 f"{g.memory_total_mib / 1024:.1f} GiB; set at most that, or null for the whole GPU"
+                 for g in gpus if budget is not None and budget * 1024 > g.memory_total_mib]
     if problems:
         raise EnvironmentMismatch(problems, "config vs environment")
     nproc = len(selection.ids) if on_gpu else cfg.hardware.cpu_processes
@@ -196,9 +201,11 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
     from tasks.sharding import resolve_strategy
 
     strategy, choice = resolve_strategy(cfg, on_gpu=on_gpu, ranks=world_size(cfg, plan),
-                                        free_mib=min((g.memory_free_mib for g in gpus), default=None),
+                                        free_mib=selection.planning_mib(budget),
                                         dtype_bytes=4 if compute == "float32" else 2)
     plan = plan.model_copy(update={"strategy": strategy, "strategy_choice": choice})
+    if on_gpu and budget is not None and (short := budget_shortfall(cfg, plan)):
+        raise EnvironmentMismatch([short], "config vs environment")
     from tasks.train import compile_setting  # imports this module
 
     if cfg.hardware.attn_implementation == "auto" and cfg.train.packing and compile_setting(cfg, plan):
@@ -208,6 +215,39 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
         plan = plan.model_copy(update={"train_attn": train_attn,
                                        "attention_choice": {**plan.attention_choice, "train": why["train"]}})
     return plan
+
+
+def budget_shortfall(cfg: FinetuneConfig, plan: Plan) -> str | None:
+    """Why `hardware.memory_budget_gib` cannot train this model at all (None where it can, or where the model's shape
+    cannot be read before it is fetched: the planner checks it then): the least a rank needs is its share of the
+    base as loaded, the adapter with its gradients and optimizer state, and one `data.max_length` row with
+    activation checkpointing, in the share of the budget the planner plans with."""
+    from tasks.distributed import world_size  # imports this module
+    from tasks.planner import BUDGET_FRACTION, GIB, ModelShape, memory_parts
+    from tasks.sharding import readable_model_config
+    from tasks.train import liger_setting, upcast_setting  # imports this module
+
+    config = readable_model_config(cfg.model.source)
+    if config is None:
+        return None
+    budget, tokens, four_bit = cfg.hardware.memory_budget_gib, cfg.data.max_length, cfg.quantization.load_in_4bit
+    shards = world_size(cfg, plan) if plan.strategy == "fsdp" else 1
+    parts = memory_parts(ModelShape.from_config({"vocab_size": 32000, **config}), tokens, checkpointing=True,
+                         four_bit=four_bit, lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
+                         fused_ce=liger_setting(cfg, plan), dtype_bytes=4 if plan.compute_dtype == "float32" else 2,
+                         upcast=upcast_setting(cfg), shards=shards)
+    need = sum(parts.values())
+    if need <= budget * GIB * BUDGET_FRACTION:
+        return None
+    gib = {k: f"{v / GIB:.1f} GiB" for k, v in parts.items()}
+    weights = "the base weights (linear layers in 4 bits)" if four_bit else "the base weights"
+    return (f"hardware.memory_budget_gib={budget:g} is too small for {cfg.model.source}: training it needs at least "
+            f"{need / GIB:.1f} GiB per GPU ({gib['base']} for {weights}"
+            + (f", sharded over {shards} ranks" if shards > 1 else "")
+            + f", {gib['adapter']} for the LoRA adapter with its gradients and optimizer state, {gib['activations']} "
+            f"for one {tokens}-token row (data.max_length) with activation checkpointing, {gib['reserve']} for the "
+            f"CUDA context and workspaces), and the planner plans with {BUDGET_FRACTION:.0%} of the budget: set at "
+            f"least {math.ceil(10 * need / GIB / BUDGET_FRACTION) / 10:.1f}, or null for the whole GPU")
 
 
 def report_markdown(env: EnvironmentReport, plan: Plan | None = None) -> str:
@@ -341,6 +381,9 @@ def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentR
     plan, timings = measured_plan(cfg, env, selection, run_dir / "work")
     if timings:
         env = env.model_copy(update={"attention_timings": timings})
+    if cfg.hardware.memory_budget_gib is not None and plan.device != "cuda":
+        run_logger().warning("hardware.memory_budget_gib=%g is ignored: this run trains on the CPU",
+                             cfg.hardware.memory_budget_gib)
     from tasks.distributed import plan_problems  # imports this module
 
     if problems := plan_problems(cfg, plan):

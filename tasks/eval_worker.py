@@ -24,6 +24,7 @@ from tasks.generation import (
     Generation, choose_engine, generate_continuous, generate_reference, generate_static, kv_bytes_per_token,
     length_sorted_batches, stop_token_ids,
 )
+from tasks.gpus import cap_process_memory, free_bytes
 from tasks.kernels import apply_kernels
 from tasks.launcher import worker_main
 from tasks.metrics import score_answer
@@ -116,7 +117,7 @@ def placement(copy: Path, device) -> dict:
     if device.type != "cuda" or torch.cuda.device_count() == 1:
         return {"device_map": {"": str(device)}}
     size = sum(p.stat().st_size for p in copy.glob("*.safetensors"))
-    free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+    free = [free_bytes(i) for i in range(torch.cuda.device_count())]
     if size <= 0.5 * free[0]:
         return {"device_map": {"": str(device)}}
     return {"device_map": "auto", "max_memory": {i: int(f * 0.8) for i, f in enumerate(free)}}
@@ -134,7 +135,7 @@ def auto_batch_tokens(model, device) -> int:
     per_token = kv_bytes_per_token(model.config, dtype_bytes) + \
         (6 * text.hidden_size + 3 * getattr(text, "intermediate_size", 4 * text.hidden_size)) * dtype_bytes
     if device.type == "cuda":
-        budget = 0.5 * torch.cuda.mem_get_info(device)[0]
+        budget = 0.5 * free_bytes(device.index or 0)
     else:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = min(0.25 * available, 4 * 2**30)
@@ -202,6 +203,18 @@ def _devices(model, device) -> set[str]:
     return {str(d) for d in (getattr(inner, "hf_device_map", None) or {"": device}).values()}
 
 
+def eval_device(plan: Plan, budget_gib: float | None):
+    """The first selected GPU (or the CPU), with every selected GPU capped at `hardware.memory_budget_gib`: the
+    evaluation copy may be spread over them (placement)."""
+    import torch
+
+    if plan.device != "cuda" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    for index in range(torch.cuda.device_count()):
+        cap_process_memory(budget_gib, index)
+    return torch.device("cuda:0")
+
+
 def _evaluate(job: dict) -> dict:
     import torch
     from transformers import AutoTokenizer
@@ -210,7 +223,7 @@ def _evaluate(job: dict) -> dict:
     plan = Plan.model_validate(job["plan"])
     base = QuantizedModel.model_validate(job["base_model"])
     data_path = Path(job["data"])
-    device = torch.device("cuda:0" if plan.device == "cuda" and torch.cuda.is_available() else "cpu")
+    device = eval_device(plan, cfg.hardware.memory_budget_gib)
     remote = cfg.model.trust_remote_code  # the orchestrator refused it unless the worker's policy allows it
     # The tokenizer saved with the adapter or checkpoint: the one it was trained (and merged) with.
     tokenizer = AutoTokenizer.from_pretrained(job.get("adapter") or job["checkpoint"], trust_remote_code=remote)
@@ -284,7 +297,7 @@ def _generate(engine: str, model, tokenizer, prompts: list[str], prompt_ids: lis
     if engine == "continuous":
         import torch
 
-        memory = int(0.6 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 2**30
+        memory = int(0.6 * free_bytes(device.index or 0)) if device.type == "cuda" else 2**30
         return generate_continuous(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id,
                                    batch_tokens, memory)
     return generate_static(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id, batch_tokens,

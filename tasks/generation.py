@@ -90,8 +90,10 @@ def _sync(device) -> None:
 # ---------------------------------------------------------------- generate: the reference
 
 
-def generate_reference(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> Generation:
-    """Today's path: `model.generate()` on padded batches of `batch_size` prompts, in input order."""
+def generate_reference(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
+                       **generate_kwargs) -> Generation:
+    """Today's path: `model.generate()` on padded batches of `batch_size` prompts, in input order; `generate_kwargs`
+    go to every generate() call (e.g. transformers' static cache) and into the details."""
     import torch
 
     device = model.device
@@ -105,11 +107,12 @@ def generate_reference(model, tokenizer, prompts: list[str], max_new_tokens: int
                           add_special_tokens=False).to(device)
         with torch.no_grad():
             out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(stops))
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(stops), **generate_kwargs)
         outputs += [_until_stop(row, stops) for row in out[:, batch["input_ids"].shape[1]:].tolist()]
         first = first or time.perf_counter() - started
     _sync(device)
-    return Generation(outputs, time.perf_counter() - started, first or 0.0, details={"batch_size": batch_size})
+    return Generation(outputs, time.perf_counter() - started, first or 0.0,
+                      details={"batch_size": batch_size, **generate_kwargs})
 
 
 # ---------------------------------------------------------------- static: length-sorted batches, CUDA graphs

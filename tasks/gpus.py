@@ -49,6 +49,14 @@ class GpuSelection(BaseModel):
         # PCI_BUS_ID makes CUDA number devices as nvidia-smi does; an empty list hides every GPU (CPU run).
         return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, self.ids))}
 
+    def planning_mib(self, budget_gib: float | None = None) -> int | None:
+        """The memory the planner plans with per GPU: the least free memory among the selected GPUs, capped at
+        `hardware.memory_budget_gib`; None on the CPU."""
+        free = min((g.memory_free_mib for g in self.gpus), default=None)
+        if free is None or budget_gib is None:
+            return free
+        return min(free, int(budget_gib * 1024))
+
     def describe(self) -> str:
         if not self.ids:
             return "CPU (no GPU selected)"
@@ -163,6 +171,35 @@ def read_inventory() -> list[GpuInfo]:
     finally:
         pynvml.nvmlShutdown()
     return restrict(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+# ---------------------------------------------------------------- inside the workers
+
+_CAPS: dict[int, int] = {}  # CUDA device index -> bytes PyTorch's allocator may hold there (cap_process_memory)
+
+
+def cap_process_memory(budget_gib: float | None, device: int) -> float | None:
+    """Cap PyTorch's allocator on CUDA device `device` at `hardware.memory_budget_gib`, so that an allocation past
+    it raises an out-of-memory error as on a GPU that small. Returns the fraction of the device set (None: no cap)."""
+    import torch
+
+    if budget_gib is None:
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, budget_gib * 2**30 / total)  # the orchestrator refuses a budget over the GPU's memory
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    _CAPS[device] = int(fraction * total)
+    return fraction
+
+
+def free_bytes(device: int) -> int:
+    """What this process may still allocate on CUDA device `device`: the device's free memory, and under a cap
+    (cap_process_memory) no more than the cap less what the allocator already holds there."""
+    import torch
+
+    free = torch.cuda.mem_get_info(device)[0]
+    cap = _CAPS.get(device)
+    return free if cap is None else max(0, min(free, cap - torch.cuda.memory_reserved(device)))
 
 
 @step(name="select-gpus", task_run_name="select-gpus[{spec}]", tags=["setup"])

@@ -138,10 +138,11 @@ def _logit_bytes_per_token(shape: ModelShape, fused_ce: bool) -> float:
     return shape.vocab * (2 + 4 + 4)  # bf16 logits, their fp32 upcast in the loss, and the gradient
 
 
-def peak_bytes(shape: ModelShape, tokens: int, *, checkpointing: bool, four_bit: bool, lora_r: int,
-               lora_targets: list[str] | str, fused_ce: bool, dtype_bytes: int = 2, upcast: bool = True,
-               shards: int = 1) -> float:
-    """Predicted peak memory of one rank for a micro-batch of `tokens` packed tokens."""
+def memory_parts(shape: ModelShape, tokens: int, *, checkpointing: bool, four_bit: bool, lora_r: int,
+                 lora_targets: list[str] | str, fused_ce: bool, dtype_bytes: int = 2, upcast: bool = True,
+                 shards: int = 1) -> dict[str, float]:
+    """Predicted memory of one rank for a micro-batch of `tokens` packed tokens, in bytes, by part: the frozen base,
+    the adapter (weights, gradients, AdamW moments), the activations and logits, the fixed reserve."""
     frozen = 4 if upcast else dtype_bytes
     # with PEFT's fp32 upcast the embeddings hand fp32 to the first norm and bitsandbytes returns each projection in
     # its input's dtype, so every saved activation is fp32 (measured: 28.9 vs 14.4 GiB, Qwen3-0.6B, 10k tokens)
@@ -152,7 +153,12 @@ def peak_bytes(shape: ModelShape, tokens: int, *, checkpointing: bool, four_bit:
         weights = _sharded_base_bytes(shape, weights, shards, four_bit, frozen, dtype_bytes)
     per_token = shape.activation_bytes_per_token(checkpointing, act, act)
     per_token += _logit_bytes_per_token(shape, fused_ce)
-    return CONTEXT_RESERVE + weights + lora + tokens * per_token
+    return {"base": weights, "adapter": lora, "activations": tokens * per_token, "reserve": CONTEXT_RESERVE}
+
+
+def peak_bytes(shape: ModelShape, tokens: int, **kw) -> float:
+    """Predicted peak memory of one rank for a micro-batch of `tokens` packed tokens (memory_parts' keywords)."""
+    return sum(memory_parts(shape, tokens, **kw).values())
 
 
 def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
@@ -160,47 +166,63 @@ def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
                   four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
                   dtype_bytes: int = 2, upcast: bool = True, per_device_rows: int = 8,
                   accumulation: int = 1, dequantize: bool = False,
-                  compile_layers: bool = False, compile_deferred: bool = False, shards: int = 1) -> TrainingPlan:
+                  compile_layers: bool = False, compile_deferred: bool = False, shards: int = 1,
+                  memory: str = "the free memory") -> TrainingPlan:
     """Choose micro-batch size, accumulation, checkpointing and whether to hold the base dequantized (asked for by
-    `dequantize`, kept 4-bit where the dequantized base would not fit the budget). Compiled layers need the
-    dequantized base; `compile_deferred` compiles them only once the first steps show the run repays it."""
-    plan = _plan_batches(shape, free_mib=free_mib, max_row=max_row, mean_row=mean_row, rows_per_step=rows_per_step,
-                         packing=packing, micro_batch_tokens=micro_batch_tokens, checkpointing=checkpointing,
-                         four_bit=four_bit, lora_r=lora_r, lora_targets=lora_targets, fused_ce=fused_ce,
-                         dtype_bytes=dtype_bytes, upcast=upcast, per_device_rows=per_device_rows,
-                         accumulation=accumulation, shards=shards)
+    `dequantize`). `free_mib` is the memory to plan with per GPU (None on the CPU), `memory` what it is (the free
+    memory, or hardware.memory_budget_gib). Compiled layers need the dequantized base; `compile_deferred` compiles
+    them only once the first steps show the run repays it.
+
+    The dequantized base gets its own micro-batches (its bf16 weights leave less room for them), with the
+    checkpointing the 4-bit base needs (`auto`), and is held wherever they fit: at equal checkpointing, dropping the
+    per-call dequantization and compiling the layers were measured faster (benchmarks/README.md), while turning
+    checkpointing on to make room for the bf16 weights runs the forward pass a second time."""
+    batches = dict(max_row=max_row, mean_row=mean_row, rows_per_step=rows_per_step, packing=packing,
+                   micro_batch_tokens=micro_batch_tokens, lora_r=lora_r, lora_targets=lora_targets,
+                   fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, per_device_rows=per_device_rows,
+                   accumulation=accumulation, shards=shards, memory=memory)
+    plan = _plan_batches(shape, free_mib=free_mib, four_bit=four_bit, checkpointing=checkpointing, **batches)
     if not four_bit or not dequantize:
         if compile_layers and four_bit:
             plan.reasons.append("decoder layers not compiled: the 4-bit matmuls cannot be (train.dequantize_base "
                                 "makes them plain ones)")
         return plan.model_copy(update={"compile_layers": compile_layers and not four_bit,
                                        "compile_deferred": compile_layers and not four_bit and compile_deferred})
-    tokens = plan.micro_batch_tokens or plan.micro_batch_rows * max_row
-    peak = peak_bytes(shape, tokens, checkpointing=plan.gradient_checkpointing, four_bit=False, lora_r=lora_r,
-                      lora_targets=lora_targets, fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast,
-                      shards=shards)
-    budget = None if plan.budget_gib is None else plan.budget_gib * GIB
-    if budget is not None and peak > budget:
-        plan.reasons.append(f"NF4 base kept 4-bit: dequantized it would need {peak / GIB:.1f} GiB"
+    ckpt = plan.gradient_checkpointing
+    auto = checkpointing == "auto"
+    try:
+        held = _plan_batches(shape, free_mib=free_mib, four_bit=False, checkpointing=ckpt if auto else checkpointing,
+                             ckpt_why="auto: decided for the 4-bit base" if auto else "train.gradient_checkpointing",
+                             **batches)
+        fits = held.budget_gib is None or held.predicted_peak_gib <= held.budget_gib
+    except ValueError:  # not even a micro-batch holding the longest row fits beside the dequantized weights
+        held, fits = None, False
+    if not fits:
+        tokens = plan.micro_batch_tokens or plan.micro_batch_rows * max_row
+        peak = peak_bytes(shape, tokens, checkpointing=ckpt, four_bit=False, lora_r=lora_r, lora_targets=lora_targets,
+                          fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, shards=shards)
+        plan.reasons.append(f"NF4 base kept 4-bit: dequantized it would need {peak / GIB:.1f} GiB at this micro-batch, "
+                            f"and no micro-batch {'with' if ckpt else 'without'} activation checkpointing that holds "
+                            f"the longest row fits beside the dequantized weights"
+                            + (f" in {plan.budget_gib:.1f} GiB" if plan.budget_gib is not None else "")
                             + ("; so decoder layers not compiled (4-bit matmuls cannot be)" if compile_layers else ""))
         return plan
-    plan.reasons.append("NF4 base held dequantized in the compute dtype: the same weights every 4-bit matmul "
+    held.reasons.append("NF4 base held dequantized in the compute dtype: the same weights every 4-bit matmul "
                         "multiplies by, without dequantizing them again on every call"
-                        + (f" ({peak / GIB:.1f} GiB predicted)" if budget is not None else ""))
+                        + (f" ({held.predicted_peak_gib:.1f} GiB predicted)" if held.budget_gib is not None else ""))
     if compile_layers:
-        plan.reasons.append("decoder layers compiled (torch.compile, dynamic shapes)" + (
+        held.reasons.append("decoder layers compiled (torch.compile, dynamic shapes)" + (
             " once the first steps' measured time shows the rest of the run repays the compilation "
             "(train.compile=auto; true compiles before the first step)" if compile_deferred else ""))
-    return plan.model_copy(update={"dequantize_base": True, "compile_layers": compile_layers,
-                                   "compile_deferred": compile_layers and compile_deferred,
-                                   "predicted_peak_gib": round(peak / GIB, 2)})
+    return held.model_copy(update={"dequantize_base": True, "compile_layers": compile_layers,
+                                   "compile_deferred": compile_layers and compile_deferred})
 
 
 def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
                   rows_per_step: int, packing: bool, micro_batch_tokens: int | None, checkpointing: bool | str,
                   four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
                   dtype_bytes: int, upcast: bool, per_device_rows: int, accumulation: int,
-                  shards: int) -> TrainingPlan:
+                  shards: int, memory: str, ckpt_why: str = "train.gradient_checkpointing") -> TrainingPlan:
     reasons: list[str] = []
     target = rows_per_step * mean_row
     common = dict(four_bit=four_bit, lora_r=lora_r, lora_targets=lora_targets, fused_ce=fused_ce,
@@ -234,7 +256,7 @@ def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
                        f"no activation checkpointing: up to {largest(False)} tokens fit without it")
     else:
         ckpt = bool(checkpointing)
-        reasons.append(f"activation checkpointing {'on' if ckpt else 'off'} (train.gradient_checkpointing)")
+        reasons.append(f"activation checkpointing {'on' if ckpt else 'off'} ({ckpt_why})")
 
     if micro_batch_tokens:
         cap = micro_batch_tokens
@@ -242,7 +264,7 @@ def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
     else:
         cap = largest(ckpt)
         reasons.append(f"at most {cap} tokens fit in a micro-batch"
-                       + (f" ({budget / GIB:.1f} GiB = {BUDGET_FRACTION:.0%} of the free memory)" if budget else ""))
+                       + (f" ({budget / GIB:.1f} GiB = {BUDGET_FRACTION:.0%} of {memory})" if budget else ""))
     if cap < max_row:
         raise ValueError(f"the longest row ({max_row} tokens) does not fit in one micro-batch ({cap} tokens "
                          "at most): lower data.max_length, turn on train.gradient_checkpointing, or use more memory")

@@ -143,7 +143,10 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     """The memory planner's choice for this model, data and the selected GPUs (tasks/planner.py)."""
     lengths = row_lengths(data)
     t = cfg.train
-    free = min((g.memory_free_mib for g in gpus.gpus), default=None) if plan.device == "cuda" else None
+    budget = cfg.hardware.memory_budget_gib
+    free = gpus.planning_mib(budget) if plan.device == "cuda" else None
+    capped = free is not None and budget is not None and free < gpus.planning_mib()
+    memory = f"hardware.memory_budget_gib={budget:g}" if capped else "the free memory"
     try:
         return plan_training(
             ModelShape.from_checkpoint(base.path), free_mib=free, max_row=max(lengths),
@@ -154,9 +157,9 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             upcast=upcast_setting(cfg), per_device_rows=t.per_device_batch_size,
             accumulation=t.gradient_accumulation_steps, dequantize=dequantize_setting(cfg, plan),
             compile_layers=compile_setting(cfg, plan), compile_deferred=cfg.train.compile == "auto",
-            shards=world_size(cfg, plan) if plan.strategy == "fsdp" else 1)
+            shards=world_size(cfg, plan) if plan.strategy == "fsdp" else 1, memory=memory)
     except ValueError as exc:
-        raise UserInputError(f"training plan: {exc}") from None
+        raise UserInputError(f"training plan{f' (within {memory})' if capped else ''}: {exc}") from None
 
 
 def publish_training_plan(tplan: TrainingPlan) -> None:

@@ -23,6 +23,7 @@ from tasks.config import FinetuneConfig
 from tasks.dataset import IGNORE_INDEX, load_split
 from tasks.distributed import barrier, checkpoint_step, gather, is_writer, prepare_ranks, single_rank_defaults
 from tasks.environment import Plan
+from tasks.gpus import cap_process_memory
 from tasks.launcher import emit_event, worker_main
 from tasks.lifecycle import training_callback
 from tasks.planner import TrainingPlan
@@ -228,6 +229,20 @@ def build_model(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, base_path:
 # ---------------------------------------------------------------- the rank body
 
 
+def use_device(plan: Plan, budget_gib: float | None, local_rank: int) -> bool:
+    """Bind this rank to its GPU, capped at `hardware.memory_budget_gib` (tasks/gpus.py); False on the CPU."""
+    import torch
+
+    on_gpu = plan.device == "cuda" and torch.cuda.is_available()
+    if plan.device == "cuda" and not on_gpu:
+        raise RuntimeError("the plan selects GPUs but this worker sees no CUDA device")
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+        cap_process_memory(budget_gib, local_rank)
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (upcast lm_head, loss) on tensor cores
+    return on_gpu
+
+
 def _train(job: dict) -> dict | None:
     import torch
     import torch.distributed as dist
@@ -243,12 +258,7 @@ def _train(job: dict) -> dict | None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    on_gpu = plan.device == "cuda" and torch.cuda.is_available()
-    if plan.device == "cuda" and not on_gpu:
-        raise RuntimeError("the plan selects GPUs but this worker sees no CUDA device")
-    if on_gpu:
-        torch.cuda.set_device(local_rank)
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (upcast lm_head, loss) on tensor cores
+    on_gpu = use_device(plan, cfg.hardware.memory_budget_gib, local_rank)
     set_seed(t.seed)  # before the adapter's random init: a run is reproducible from its config
     upcast = job.get("upcast_frozen", True)
     model = build_model(cfg, plan, tplan, base_path, job["load_in_4bit"],

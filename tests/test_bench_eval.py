@@ -22,12 +22,12 @@ def bench(tmp_path, variants: str, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_evaluation_benchmark_smoke_run_writes_the_report(tmp_path):
-    bench(tmp_path, "generate,static,continuous")
+    bench(tmp_path, "generate,static,continuous,generate-static")
     [folder] = (tmp_path / "out").glob("eval-bench-0xGPU-*")
     report = json.loads((folder / "report.json").read_text())
     for key in ("gpu", "baseline_seconds", "seconds", "speedup", "greedy_agreement", "rows", "versions", "shape"):
         assert key in report, key
-    assert [r["variant"] for r in report["rows"]] == ["generate", "static", "continuous"]
+    assert [r["variant"] for r in report["rows"]] == ["generate", "static", "continuous", "generate-static"]
     assert report["auto"] == {**report["auto"], "engine": "static", "attention": "sdpa", "variant": "static"}
     for row in report["rows"]:
         assert "error" not in row, row
@@ -36,6 +36,10 @@ def test_evaluation_benchmark_smoke_run_writes_the_report(tmp_path):
             assert 0 < row[side]["first_result_seconds"] <= row[side]["seconds"]
     # the copy and the 4-bit model differ only by kernel rounding: nearly every greedy answer is the same
     assert report["greedy_agreement"] >= 0.9 and report["rows"][2]["agreement"] >= 0.9
+    library = report["rows"][3]  # transformers' generate() with its static cache, on the same copy as `static`
+    assert library["agreement"] >= 0.9 and library["base"]["details"]["cache_implementation"] == "static"
+    assert library["base"]["details"]["compiled_decode"] is False  # generate compiles on CUDA only
+    assert library["base"]["details"]["max_cache_len"] == report["shape"]["prompt_tokens_min_mean_max"][2] + 8
     assert report["shape"]["prompts"] == 40 and "| static | sdpa |" in (folder / "report.md").read_text()
     # a rerun on the same --work reuses the dataset, the 4-bit base and the adapter (the steps return `Cached`
     # states: the benchmark once failed on exactly that, "'State' object has no attribute 'fingerprint'")

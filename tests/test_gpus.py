@@ -167,3 +167,95 @@ def test_the_environment_report_marks_what_may_not_be_selected():
     md = report_markdown(env)
     assert "CUDA_VISIBLE_DEVICES=0,1 (inherited)" in md
     assert "| yes |" in md and "| no: MIG mode |" in md and "| no: not in CUDA_VISIBLE_DEVICES |" in md
+
+
+# ---------------------------------------------------------------- hardware.memory_budget_gib
+
+
+def budget_plan(source: str, budget: float, host=None, spec: str = "0", extra=()):
+    host = host or [gpu(0, 140000)]
+    cfg = load_config(None, [f"hardware.gpus={spec}", f"model.source=generated:{source}", "train.liger_kernel=false",
+                             f"hardware.memory_budget_gib={budget}", *extra])
+    return resolve_plan(cfg, report(host), selection_for(spec, host))
+
+
+def test_a_budget_too_small_for_the_model_is_refused_with_the_numbers_before_anything_loads():
+    """resolve_plan runs in verify-environment, the flow's first step: from the model's config, nothing loaded."""
+    with pytest.raises(EnvironmentMismatch) as err:
+        budget_plan("qwen3-8b", 8)
+    assert len(err.value.problems) == 1
+    assert err.value.problems[0] == (
+        "hardware.memory_budget_gib=8 is too small for generated:qwen3-8b: training it needs at least 8.7 GiB per GPU "
+        "(5.6 GiB for the base weights (linear layers in 4 bits), 0.7 GiB for the LoRA adapter with its gradients "
+        "and optimizer state, 0.9 GiB for one 512-token row (data.max_length) with activation checkpointing, 1.5 GiB "
+        "for the CUDA context and workspaces), and the planner plans with 70% of the budget: set at least 12.4, or "
+        "null for the whole GPU")
+    budget_plan("qwen3-8b", 12.4)
+    budget_plan("qwen3-8b", 24)
+    budget_plan("qwen3-0.6b", 12)
+    with pytest.raises(EnvironmentMismatch, match=r"one 8192-token row \(data.max_length\)"):
+        budget_plan("qwen3-0.6b", 12, extra=["data.max_length=8192"])  # its logits alone: 11.6 GiB unfused
+    with pytest.raises(EnvironmentMismatch, match="set at least"):
+        budget_plan("qwen3-0.6b", 3)
+
+
+def test_a_budget_beyond_a_selected_gpu_is_refused_and_the_cpu_ignores_it():
+    host = [gpu(0, 140000), gpu(1, 80000, name="NVIDIA H100 80GB HBM3", total=81559)]
+    with pytest.raises(EnvironmentMismatch) as err:
+        budget_plan("qwen3-0.6b", 100, host, "0,1")
+    assert err.value.problems == ["hardware.memory_budget_gib=100 is more than GPU 1 (NVIDIA H100 80GB HBM3) has: "
+                                  "79.6 GiB; set at most that, or null for the whole GPU"]
+    assert budget_plan("qwen3-0.6b", 100, host, "0").device == "cuda"
+    cpu = resolve_plan(load_config(None, ["hardware.gpus=cpu", "hardware.memory_budget_gib=1"]), report([]),
+                       selection_for("cpu", []))
+    assert cpu.device == "cpu"
+    with pytest.raises(Exception, match="memory_budget_gib"):
+        load_config(None, ["hardware.memory_budget_gib=0"])
+
+
+def test_strategy_auto_shards_a_model_that_fits_the_gpus_but_not_the_budget():
+    host = [gpu(0, 140000), gpu(1, 140000)]
+    auto = ["hardware.strategy=auto"]
+    assert budget_plan("qwen3-8b", 100, host, "0,1", auto).strategy == "ddp"
+    sharded = budget_plan("qwen3-8b", 12, host, "0,1", auto)  # 8.7 GiB whole > 70% of 12; half of it fits
+    assert sharded.strategy == "fsdp" and "budget 8.4 GiB" in sharded.strategy_choice
+
+
+def test_the_workers_cap_each_gpu_at_the_budget(monkeypatch):
+    """set_per_process_memory_fraction(budget / total) on the training rank's GPU and on every GPU evaluation may
+    spread over, and the evaluation's sizing sees the cap (CUDA mocked: no GPU here)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import tasks.gpus
+    from tasks.environment import Plan
+    from tasks.eval_worker import eval_device
+    from tasks.train_worker import use_device
+
+    total = 143771 * 2**20
+    calls = []
+    monkeypatch.setattr(tasks.gpus, "_CAPS", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("device", i)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append(("cap", f, i)))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (130 * 2**30, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 4 * 2**30)
+    plan = Plan(device="cuda", gpu_ids=[3, 5], nproc=2, precision="bf16", compute_dtype="bfloat16",
+                train_attn="sdpa", eval_attn="sdpa")
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        assert use_device(plan, None, 1) and calls == [("device", 1)]  # no budget: no cap
+        calls.clear()
+        assert use_device(plan, 24, 1)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert calls == [("device", 1), ("cap", 24 * 2**30 / total, 1)]
+    assert isinstance(calls[1][1], float)  # torch refuses anything else
+    calls.clear()
+    assert eval_device(plan, 24) == torch.device("cuda:0")
+    assert calls == [("cap", 24 * 2**30 / total, 0), ("cap", 24 * 2**30 / total, 1)]
+    assert tasks.gpus.free_bytes(0) == 20 * 2**30  # the cap less what the allocator holds, not the device's 130 GiB
+    assert eval_device(plan.model_copy(update={"device": "cpu"}), 24) == torch.device("cpu")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tasks.models import ARCHS
-from tasks.planner import GIB, ModelShape, TrainingPlan, peak_bytes, plan_training
+from tasks.gpus import GpuInfo, GpuSelection
+from tasks.planner import BUDGET_FRACTION, GIB, ModelShape, TrainingPlan, peak_bytes, plan_training
 
 SHAPES = {name: ModelShape.from_config(ARCHS[name]) for name in ("qwen3-0.6b", "qwen3-8b")}
 GPUS = {"H100-80GB": 80 * 1024, "RTX4090-24GB": 24 * 1024, "H200-141GB": 141 * 1024}
@@ -150,3 +151,69 @@ def test_dequantize_and_compile_auto(device, strategy, overrides, want):
     plan = Plan(device=device, gpu_ids=[0] if device == "cuda" else [], nproc=1, precision="bf16",
                 compute_dtype="bfloat16", train_attn="sdpa", eval_attn="sdpa", strategy=strategy)
     assert (dequantize_setting(cfg, plan), compile_setting(cfg, plan)) == want
+
+
+# hardware.memory_budget_gib on one H200 (141 GiB free): the planner plans as if the GPU had the budget free
+H200 = GpuSelection(ids=[0], gpus=[GpuInfo(index=0, name="NVIDIA H200", memory_total_mib=143771,
+                                           memory_free_mib=141 * 1024, capability=(9, 0))])
+
+
+def budgeted(shape: str, budget: float | None, **kw) -> TrainingPlan:
+    """The plan a GPU run makes by default (train.dequantize_base and train.compile auto) within `budget` GiB."""
+    return plan(shape, H200.planning_mib(budget), dequantize=True, compile_layers=True, compile_deferred=True, **kw)
+
+
+def test_the_budget_caps_the_memory_planned_with():
+    assert H200.planning_mib(None) == 141 * 1024
+    assert H200.planning_mib(24) == 24 * 1024
+    assert H200.planning_mib(500) == 141 * 1024  # never more than is free
+    assert GpuSelection(ids=[], gpus=[]).planning_mib(24) is None  # the CPU: no budget
+
+
+def test_24gib_keeps_the_8b_base_4bit_and_checkpoints_one_micro_batch():
+    whole = budgeted("qwen3-8b", None)
+    assert whole.dequantize_base and whole.compile_layers and not whole.gradient_checkpointing
+    p = budgeted("qwen3-8b", 24)
+    assert p.budget_gib == pytest.approx(24 * BUDGET_FRACTION, abs=0.01)
+    # the bf16 weights alone (~15.3 GiB) + the adapter + the reserve exceed 70% of 24 GiB: the 4-bit base stays,
+    # uncompiled; without checkpointing at most ~1.8k tokens would fit, with it the whole step's 10k tokens do
+    assert not p.dequantize_base and not p.compile_layers and not p.compile_deferred
+    assert p.gradient_checkpointing
+    assert (p.micro_batch_tokens, p.gradient_accumulation_steps) == (10144, 1)
+    assert p.predicted_peak_gib <= p.budget_gib
+    assert any("kept 4-bit" in r and "16.8 GiB" in r for r in p.reasons)
+    assert any("70% of hardware.memory_budget_gib" in r for r in budgeted(
+        "qwen3-8b", 24, memory="hardware.memory_budget_gib").reasons)
+
+
+def test_12gib_holds_the_0_6b_base_dequantized_in_three_micro_batches():
+    assert budgeted("qwen3-0.6b", None).gradient_accumulation_steps == 1
+    p = budgeted("qwen3-0.6b", 12)
+    assert p.dequantize_base and p.compile_layers and not p.gradient_checkpointing
+    assert (p.micro_batch_tokens, p.gradient_accumulation_steps) == (3382, 3)  # 10,144 tokens a step
+    assert p.predicted_peak_gib <= p.budget_gib == pytest.approx(12 * BUDGET_FRACTION, abs=0.01)
+
+
+def test_the_dequantized_base_gets_micro_batches_of_its_own():
+    """At 23 GiB the 4-bit base takes the whole step in one micro-batch, beside which the bf16 weights do not fit;
+    two micro-batches of half the size do (taking the 4-bit base's micro-batch, the planner kept the base 4-bit)."""
+    four_bit = plan("qwen3-0.6b", H200.planning_mib(23))
+    assert four_bit.gradient_accumulation_steps == 1
+    p = budgeted("qwen3-0.6b", 23)
+    assert p.dequantize_base and p.gradient_accumulation_steps == 2 and p.predicted_peak_gib <= p.budget_gib
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_under_every_budget_the_plan_fits_and_dequantizing_adds_no_checkpointing(shape):
+    planned = 0
+    for budget in [b / 2 for b in range(6, 200)]:
+        try:
+            four_bit = plan(shape, H200.planning_mib(budget))
+        except ValueError:  # not even the 4-bit model fits
+            continue
+        p = budgeted(shape, budget)
+        assert p.predicted_peak_gib <= p.budget_gib, budget
+        assert p.gradient_checkpointing == four_bit.gradient_checkpointing, budget
+        assert p.dequantize_base == p.compile_layers, budget
+        planned += 1
+    assert planned > 150
