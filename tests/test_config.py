@@ -111,7 +111,3 @@ def test_reference_documents_every_key():
             assert f"{section}.{key} = " in text or f"{section}.{key}." in text
             if not hasattr(field.annotation, "model_fields"):
                 assert field.description, f"{section}.{key} has no description"
-
-
-def test_readme_reference_matches_the_config_model():
-    assert config_reference() in (REPO / "README.md").read_text(), "regenerate README's reference (--help-config)"

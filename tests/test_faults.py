@@ -1,5 +1,5 @@
 """The fault suite, inside the training ranks and on the disk: each fault injected for real into the real pipeline
-(tiny generated model, CPU, real Prefect, real torchrun) and the outcome checked. The README's fault table lists
+(tiny generated model, CPU, real Prefect, real torchrun) and the outcome checked. docs/faults.md's fault table lists
 the whole suite (also tests/test_faults_signals.py and tests/test_faults_stack.py).
 
 Faults inside the ranks are injected through FINETUNE_FLOWS_FAULTS (tasks/lifecycle.py: a real
