@@ -4,7 +4,8 @@ The GPUs are read once (NVML, in the environment probe); the check of `hardware.
 workers run on are computed from that same reading. An inherited CUDA_VISIBLE_DEVICES (a Prefect worker pinned to
 some GPUs) restricts what may be selected; ids stay nvidia-smi ids. GPUs in MIG mode are refused by name: MIG
 instances cannot train together over NCCL, and a whole GPU in MIG mode is not usable by CUDA. The orchestrating
-process never exports CUDA_VISIBLE_DEVICES; the selection is only an env dict for children.
+process never exports CUDA_VISIBLE_DEVICES; the selection is only an env dict for children. Inside the workers,
+`hardware.memory_budget_gib` caps PyTorch's allocator on each GPU (cap_process_memory).
 """
 
 from __future__ import annotations

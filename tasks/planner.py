@@ -1,11 +1,12 @@
 """The memory planner: how many tokens per micro-batch, how much gradient accumulation, whether to checkpoint.
 
-From the model's shape, the free memory of the selected GPUs and the dataset's row lengths it picks the largest
-packed micro-batch (in tokens) that fits, then the accumulation that makes each optimizer step cover the effective
-batch the config asks for (`per_device_batch_size * gradient_accumulation_steps` rows per rank, converted to tokens
-with the mean row length), and turns activation checkpointing on only when even a micro-batch worth running does
-not fit without it. Values the user sets explicitly (`train.micro_batch_tokens`, `train.gradient_checkpointing`)
-win. The plan records its predicted peak so the run can report prediction against measurement.
+From the model's shape, the free memory of the selected GPUs (capped at `hardware.memory_budget_gib`) and the
+dataset's row lengths it picks the largest packed micro-batch (in tokens) that fits, then the accumulation that
+makes each optimizer step cover the effective batch the config asks for (`per_device_batch_size *
+gradient_accumulation_steps` rows per rank, converted to tokens with the mean row length), and turns activation
+checkpointing on only when even a micro-batch worth running does not fit without it. Values the user sets explicitly
+(`train.micro_batch_tokens`, `train.gradient_checkpointing`) win. The plan records its predicted peak so the run can
+report prediction against measurement.
 
 The memory model, per rank (bytes):
 - frozen base: 4-bit linear weights (0.5 byte/param + block constants), embeddings/lm_head/norms in their dtype;

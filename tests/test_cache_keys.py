@@ -24,7 +24,8 @@ from tasks.train import TRAIN_KEYS_NOT_IN_CACHE_KEY, train_fingerprint
 REPO = Path(__file__).resolve().parent.parent
 PLAN = Plan(device="cpu", gpu_ids=[], nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
             eval_attn="sdpa")
-NOT_IN_ANY = ["run.name=other", "run.output_dir=/elsewhere", "run.cache_dir=/another/cache", "hardware.gpus=cpu"]
+NOT_IN_ANY = ["run.name=other", "run.output_dir=/elsewhere", "run.cache_dir=/another/cache", "hardware.gpus=cpu",
+              "hardware.memory_budget_gib=24"]
 
 
 def readme_row(step: str) -> str:
