@@ -16,10 +16,8 @@ compiles in a run long enough to repay it), `ours-2gpu` (the same on two GPUs,
 DDP), and `ours-<label>` variants with extra config overrides (`--variant label:key=value,key=value`; a key in
 capitals, e.g. `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`, is an environment variable of that run's training
 worker instead; a label starting with `2gpu-` runs on two GPUs and gets its own `ddp_2gpu_scaling:<label>` beside
-`ours-<label>`). A memory budget is a variant too (`hardware.memory_budget_gib`: the planner plans within it and
-the training worker caps its allocator there): as a variant runs for every shape, give each budget its shape, in calls
-that share --state, e.g. `--shapes qwen3-8b --runs= --variant b24:hardware.memory_budget_gib=24`, then
-`--shapes qwen3-0.6b --runs= --variant b12:hardware.memory_budget_gib=12`. Each run is a fresh process; the device
+`ours-<label>`). Memory budgets: `--budgets` (below); a variant can set `hardware.memory_budget_gib` too, but its row
+is not compared with the peers under that budget. Each run is a fresh process; the device
 is synchronised at every step boundary; steady state skips the warm-up steps and takes the median (and min/max) of
 tokens/s over windows of 5 steps; tokens are real (non-pad) tokens; memory is the peak the allocator reserved and the
 peak nvidia-smi showed for the run's own processes (the whole GPU's figure beside it); MFU counts 4 x (linear +
@@ -33,7 +31,8 @@ PYTHONPATH is `--peer-site` (Unsloth pins an older transformers than this projec
 row once per memory budget (GiB of device memory; ours through `hardware.memory_budget_gib`, the seed and the peers
 through `torch.cuda.set_per_process_memory_fraction`), named `<run>-<shape>-<N>gib`. A row that fails (a peer that
 cannot run here, a run out of memory under its budget) is kept with its error and the bench goes on.
-`speedup.vs_best_peer` is ours over the fastest peer that ran, per shape and budget.
+`speedup.vs_best_peer` is ours over the fastest peer that ran, per shape and budget, e.g. `--shapes qwen3-8b --runs
+ours,unsloth,trl --budgets none,24`.
 
 Results accumulate in --state (so several calls on one machine build one report); the report is written to
 --out (default benchmarks/results/train-bench-<N>xGPU-<UTC time>/report.{md,json}).
@@ -663,7 +662,9 @@ def main(argv: list[str] | None = None) -> int:
     for variant in args.variant:  # a malformed variant stops the bench before any run, not after the first ones
         split_overrides([x for x in variant.partition(":")[2].split(",") if x])
     budgets = parse_budgets(args.budgets)
-    args.runs = args.runs or ("seed,ours" if args.smoke else "seed,ours,ours-2gpu")
+    if args.runs is None:  # `--runs=` (none: variants alone) stays empty
+        args.runs = "seed,ours" if args.smoke else "seed,ours,ours-2gpu"
+
     unknown = [r for r in args.runs.split(",") if r and r not in ("seed", "ours", "ours-2gpu", *PEERS)]
     if unknown:
         parser.error(f"unknown run(s) {', '.join(unknown)}: seed, ours, ours-2gpu, {', '.join(PEERS)}")
