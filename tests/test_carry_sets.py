@@ -8,6 +8,8 @@ import hashlib
 import io
 import zipfile
 
+import pytest
+
 from conftest import load_benchmark
 
 carry = load_benchmark("carry_sets")
@@ -47,3 +49,15 @@ def test_the_sets_use_the_versions_pyproject_pins():
     assert pinned["transformers"].startswith("transformers==") and pinned["prefect"].startswith("prefect==")
     assert pinned["ray"].startswith("ray[train]==") and pinned["flash-attn-4"].startswith("flash-attn-4==")
     assert set(carry.CORE) <= set(pinned)
+
+
+def test_the_peers_set_cuts_unsloth_studio_and_reads_what_the_image_has():
+    assert carry.UNSLOTH_DROP.search("studio/frontend/dist/assets/chat.js")
+    assert not carry.UNSLOTH_DROP.search("unsloth/models/llama.py") and not carry.UNSLOTH_DROP.search(
+        "unsloth-2026.10.9.dist-info/RECORD")
+    if not (carry.SHARED / "make-wheel-bundle.sh").is_file():
+        pytest.skip("the shared device tools are not beside this checkout")
+    image = carry.image_packages().split()
+    # the peers resolve against the image's transformers (Unsloth pins <= 5.17), never the core set's
+    assert "transformers==5.17.0" in image and "torch==2.11.0+cu130" in image
+    assert not set(carry.PEERS_SKIP) & {line.split("==")[0] for line in image}
