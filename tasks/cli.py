@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import os
 import signal
 import sys
 from contextlib import contextmanager
@@ -80,6 +81,17 @@ def start_temporary_server() -> None:
     with open(home / ".finetune-flows-server-start.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         SubprocessASGIServer().start(timeout=SERVER_START_TIMEOUT)  # the engine reuses this running instance
+
+
+def print_to_pipe(text: str) -> None:
+    """print(text) for output a reader may stop reading early (`--help-config | head`): a closed pipe ends the
+    output quietly instead of with a BrokenPipeError traceback, also at the interpreter's final flush."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes nowhere at exit
+        os.close(devnull)
 
 
 def run_cli(check: Callable[[], object], run: Callable[[], T], show: Callable[[T], None]) -> int:
