@@ -165,7 +165,7 @@ def read_inventory() -> list[GpuInfo]:
     return restrict(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-@step(name="select-gpus", task_run_name="select-gpus[{spec}]", tags=["setup"])
+@step(name="select-gpus", task_run_name="select-gpus({spec})", tags=["setup"])
 def select_gpus(spec: str, inventory: list[GpuInfo]) -> GpuSelection:
     """Pick GPUs from the environment probe's reading (the one `hardware.gpus` was checked against) and log it."""
     from tasks.launcher import run_logger
