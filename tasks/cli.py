@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import signal
 import sys
+import types
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
@@ -71,7 +73,6 @@ def quiet_tracebacks() -> None:
 
 def start_temporary_server() -> None:
     """Start Prefect's temporary server for this process, one process at a time per PREFECT_HOME (see above)."""
-    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, get_current_settings
 
     if PREFECT_API_URL.value() or not get_current_settings().server.ephemeral.enabled:
@@ -80,7 +81,28 @@ def start_temporary_server() -> None:
     home.mkdir(parents=True, exist_ok=True)
     with open(home / ".finetune-flows-server-start.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        SubprocessASGIServer().start(timeout=SERVER_START_TIMEOUT)  # the engine reuses this running instance
+        _server_that_dies_with_us().start(timeout=SERVER_START_TIMEOUT)  # the engine reuses this running instance
+
+
+def _server_that_dies_with_us():
+    """Prefect's temporary server (one instance per process: SubprocessASGIServer() returns it to the engine too),
+    whose process gets SIGTERM when this one dies, also by SIGKILL (PR_SET_PDEATHSIG, as the workers): Prefect stops
+    it only from an atexit hook, which a killed process never runs, and an orphaned server kept running for good."""
+    import prefect.server.api.server as server_module
+
+    from tasks.lifecycle import preexec_die_with
+
+    class ServerThatDiesWithUs(server_module.SubprocessASGIServer):
+        def _run_uvicorn_command(self):
+            real = server_module.subprocess
+            dies_with_us = functools.partial(real.Popen, preexec_fn=preexec_die_with(os.getpid()))
+            server_module.subprocess = types.SimpleNamespace(Popen=dies_with_us)  # Prefect's one Popen call
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                server_module.subprocess = real
+
+    return ServerThatDiesWithUs()
 
 
 def print_to_pipe(text: str) -> None:
