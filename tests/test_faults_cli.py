@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,35 @@ def temporary_server(pid: int) -> ProcessId | None:
 def training_run(cache: Path, tmp_path: Path, seed: int, **extra) -> list[str]:
     return tiny_overrides(cache, tmp_path / "runs", **{"train.seed": seed, "train.max_steps": 300,
                                                        "train.save_steps": 100, **extra})
+
+
+def test_one_sigterm_ends_the_cli_in_time_though_its_server_is_already_gone(shared_cache, tmp_path):
+    """As `timeout` stops `make run` (SIGTERM to the whole process group): the temporary server is gone before the
+    run unwinds, and Prefect's crash report and its event worker's drain at exit retry a server that is not there."""
+    cache, log, grace = shared_cache / "cli-faults", tmp_path / "cli.log", 10
+    proc = start_cli(training_run(cache, tmp_path, seed=901, **{"hardware.stop_grace_seconds": grace}),
+                     home_env(tmp_path), log)
+    try:
+        training_in_progress(cache, 901, min_step=2, run=proc, log=log)
+        members, server = tree(proc.pid), temporary_server(proc.pid)
+        assert server is not None, members
+        server.signal(signal.SIGTERM)
+        assert wait_gone([server], 30)
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=grace + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the CLI was still running {grace + 30} s after one SIGTERM:\n{log.read_text()[-3000:]}")
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    assert took < grace + 15, f"the CLI took {took:.0f} s to end after SIGTERM"  # margin 10 s, slack 5 s
+    assert wait_gone(members, 30), "a process of the run outlived it"
+    assert "stopped by SIGTERM" in log.read_text()
+    print(f"FAULT SIGTERM with the temporary server gone: the CLI exited {took:.1f} s after the signal (grace {grace} s)")
 
 
 def orphan_a_server(home: Path) -> ProcessId:
