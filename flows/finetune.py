@@ -62,7 +62,7 @@ def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tasks.cli import run_cli
+    from tasks.cli import print_to_pipe, run_cli
     from tasks.config import config_reference
     from tasks.summary import print_table
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--help-config", action="store_true", help="print every config key with its doc and exit")
     args = parser.parse_args(argv)
     if args.help_config:
-        print(config_reference())
+        print_to_pipe(config_reference())
         return 0
     return run_cli(lambda: preflight(args.config, args.overrides), lambda: finetune(args.config, args.overrides),
                    print_table)

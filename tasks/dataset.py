@@ -417,7 +417,7 @@ def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> Prepar
 
 
 @step(name="prepare-dataset", retries=1, retry_delay_seconds=5,
-      retry_condition_fn=retry_unless_user_error, task_run_name="prepare-dataset[{cfg.data.source}]", tags=["data"])
+      retry_condition_fn=retry_unless_user_error, task_run_name="prepare-dataset({cfg.data.source})", tags=["data"])
 def prepare_dataset(cfg: FinetuneConfig, tokenizer_dir: Path):
     """Reuse the verified dataset entry, or build it under the entry's lock."""
     entry = Entry(cfg.cache_root, "datasets", data_fingerprint(cfg, tokenizer_dir))

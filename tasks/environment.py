@@ -369,7 +369,7 @@ def measured_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSel
     return (resolve_plan(cfg, env, selection, timings), timings) if timings else (plan, None)
 
 
-@step(name="verify-environment", task_run_name="verify-environment[gpus={cfg.hardware.gpus}]", tags=["setup"])
+@step(name="verify-environment", task_run_name="verify-environment(gpus={cfg.hardware.gpus})", tags=["setup"])
 def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentReport, Plan]:
     """Probe the machine, publish the report, and check the config against it (all problems at once)."""
     env = run_probe(run_dir / "work", cfg.hardware.kernels, cfg.cache_root)

@@ -175,7 +175,7 @@ def _log_scores(report: EvalReport) -> None:
 
 @step(name="evaluate-adapter", retries=1, retry_delay_seconds=10,
       retry_condition_fn=retry_unless_user_error, tags=["evaluation", "device"],
-      task_run_name="evaluate-adapter[{cfg.run.name}: {cfg.eval.max_samples} samples, {plan.eval_attn}]")
+      task_run_name="evaluate-adapter({cfg.run.name}: {cfg.eval.max_samples} samples, {plan.eval_attn})")
 def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter_path: Path,
                      plan: Plan, gpus: GpuSelection):
     """Score base and base + adapter, reusing a verified evaluation of the same inputs."""
@@ -188,7 +188,7 @@ def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: Quantized
 
 @step(name="evaluate-checkpoint", retries=1, retry_delay_seconds=10,
       retry_condition_fn=retry_unless_user_error, tags=["evaluation", "device"],
-      task_run_name="evaluate-checkpoint[{cfg.run.name}: {cfg.eval.max_samples} samples, {plan.eval_attn}]")
+      task_run_name="evaluate-checkpoint({cfg.run.name}: {cfg.eval.max_samples} samples, {plan.eval_attn})")
 def evaluate_checkpoint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, checkpoint: Path,
                         plan: Plan, gpus: GpuSelection):
     """Score base and a merged checkpoint, reusing a verified evaluation of the same inputs (keyed by the

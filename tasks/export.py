@@ -205,7 +205,7 @@ def _export(job: dict) -> dict:
 
 
 @step(name="merge-adapter", retries=1, retry_delay_seconds=10,
-      retry_condition_fn=retry_unless_user_error, task_run_name="merge-adapter[{cfg.run.name}: {cfg.export.dtype}]",
+      retry_condition_fn=retry_unless_user_error, task_run_name="merge-adapter({cfg.run.name}: {cfg.export.dtype})",
       tags=["export", "device"])
 def merge_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter: Path, plan: Plan,
                   gpus: GpuSelection, required: bool = False) -> MergedModel | None:

@@ -203,7 +203,7 @@ def free_bytes(device: int) -> int:
     return free if cap is None else max(0, min(free, cap - torch.cuda.memory_reserved(device)))
 
 
-@step(name="select-gpus", task_run_name="select-gpus[{spec}]", tags=["setup"])
+@step(name="select-gpus", task_run_name="select-gpus({spec})", tags=["setup"])
 def select_gpus(spec: str, inventory: list[GpuInfo]) -> GpuSelection:
     """Pick GPUs from the environment probe's reading (the one `hardware.gpus` was checked against) and log it."""
     from tasks.launcher import run_logger

@@ -353,29 +353,24 @@ def rank_record(workdir: Path, rank: int | str | None) -> Iterator[None]:
 
 # bitsandbytes >= 0.49 on a CPU with AVX512-BF16 tries, when it is imported, to fetch an optional 4-bit matmul kernel
 # from the Hub and, when it cannot (always, offline), warns "Failed to load CPU gemm_4bit_forward ... Please make sure
-# you already `pip install kernels`" in every worker, then uses its own CPU path; offline, `kernels` first warns that it
-# skips the repo's publisher trust check. Nothing is wrong and nothing is missing: the workers say so in one INFO line.
+# you already `pip install kernels`", then uses its own CPU path; offline, `kernels` first warns that it skips the
+# repo's publisher trust check. Nothing is wrong and nothing is missing, so neither line is shown: a note in its place
+# came only from the process that first imported bitsandbytes (a fork server, or none when the steps were cached),
+# so a run's output differed with what ran before it.
 BNB_HUB_KERNEL = "kernels-community/quantization-bitsandbytes"
 
 
-class _OptionalHubKernelNote(logging.Filter):
+class _OptionalHubKernelMiss(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.WARNING and str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"):
-            reason = str(record.args[0]).split(".")[0] if record.args else "unavailable"
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            record.msg, record.args = ("bitsandbytes: optional CPU kernel %s not loaded (%s); using its built-in CPU "
-                                       "path", (BNB_HUB_KERNEL, reason))
-        return True
-
-
-class _TrustCheckOfOptionalKernel(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:  # the INFO line above says what happened
-        return not (record.levelno == logging.WARNING and BNB_HUB_KERNEL in record.getMessage())
+        if record.levelno != logging.WARNING:
+            return True
+        text = record.getMessage()
+        return not (text.startswith("Failed to load CPU gemm_4bit_forward") or BNB_HUB_KERNEL in text)
 
 
 def quiet_optional_hub_kernel_warning() -> None:
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalHubKernelNote())
-    logging.getLogger("kernels.hf_hub").addFilter(_TrustCheckOfOptionalKernel())
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalHubKernelMiss())
+    logging.getLogger("kernels.hf_hub").addFilter(_OptionalHubKernelMiss())
 
 
 def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:

@@ -21,7 +21,7 @@ the defaults below) says what such a run may do:
 Paths are resolved (symlinks, `..`) before they are compared; relative roots are relative to the policy file.
 A run that asks for more is refused before anything is read or written, with one message naming each key and
 the policy. Without `FINETUNE_FLOWS_POLICY`, a deployment run gets these defaults (fail closed) and a local CLI
-run keeps its freedom.
+run keeps its freedom. The policy path is the worker host's: a deployment run whose job variables set it is refused.
 """
 
 from __future__ import annotations
@@ -101,13 +101,43 @@ def in_deployment_run() -> bool:
 
 def current_policy() -> Policy | None:
     """The host's policy: the file `FINETUNE_FLOWS_POLICY` names; the safe defaults for a deployment run
-    without one; none for a local run."""
+    without one; none for a local run. A deployment run whose job variables set the policy path is refused."""
+    deployed = in_deployment_run()
+    if deployed:
+        refuse_host_settings_in_job_variables()
     path = os.environ.get(POLICY_ENV)
     if path:
         return read_policy(Path(path).expanduser())
-    if in_deployment_run():
+    if deployed:
         return Policy.safe_defaults(Path.cwd())
     return None
+
+
+def refuse_host_settings_in_job_variables() -> None:
+    """A process worker starts the flow with its own environment updated by the job variables' `env` (the
+    deployment's, then the run's), and any API caller can set those: `--job-variable env='{"FINETUNE_FLOWS_POLICY":
+    ...}'` would point the run at a policy of the caller's. The policy path, and the `command` that starts the flow
+    process, are the worker host's: a run whose job variables set either is refused (read from the server)."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.runtime import deployment, flow_run
+
+    with get_client(sync_client=True) as client:
+        sources = {"the deployment's": client.read_deployment(UUID(str(deployment.id))).job_variables,
+                   "the run's": flow_run.job_variables}
+    problems = []
+    for whose, variables in sources.items():
+        variables = variables or {}
+        if POLICY_ENV in (variables.get("env") or {}):
+            problems.append(f"{whose} job variables set env {POLICY_ENV}: the worker policy is the worker host's "
+                            "to choose, not a run's")
+        if variables.get("command"):
+            problems.append(f"{whose} job variables set command: how the flow process starts is the worker "
+                            "host's to choose, not a run's")
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise PolicyError(f"refused by the worker policy (the worker's {POLICY_ENV}):\n{lines}")
 
 
 # ---------------------------------------------------------------- checks

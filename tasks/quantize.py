@@ -109,7 +109,7 @@ def _quantize(job: dict) -> dict:
 
 
 @step(name="quantize-base-model", retries=1, retry_delay_seconds=10,
-      retry_condition_fn=retry_unless_user_error, task_run_name="quantize-base-model[{cfg.model.source}]",
+      retry_condition_fn=retry_unless_user_error, task_run_name="quantize-base-model({cfg.model.source})",
       tags=["model", "device"])
 def quantize_base_model(cfg: FinetuneConfig, plan: Plan, gpus: GpuSelection, run_dir: Path):
     """Reuse the verified 4-bit checkpoint, or quantize it under the entry's lock; report its memory footprint."""

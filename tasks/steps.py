@@ -9,7 +9,9 @@ the flow calls it or asks it for a Prefect attribute (`.submit`, `.with_options`
 function, as on a Prefect task.
 
 The options are Prefect's, with this project's defaults: no result persistence and no Prefect cache policy (nothing
-pickled is ever read back; steps reuse their own verified store entries, tasks/store.py).
+pickled is ever read back; steps reuse their own verified store entries, tasks/store.py). A `task_run_name` template
+never yields square brackets: Prefect's CLI (`prefect deployment run --watch`) prints run names as rich markup, where
+`[/abs/path]` is a closing tag and ends the watch with a MarkupError.
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ class Step:
                     from prefect import task
                     from prefect.cache_policies import NO_CACHE
 
-                    self._task = task(self.fn, **{"persist_result": False, "cache_policy": NO_CACHE, **self.options})
+                    options = dict(self.options)
+                    if isinstance(options.get("task_run_name"), str):
+                        options["task_run_name"] = markup_safe_name(options["task_run_name"])
+                    self._task = task(self.fn, **{"persist_result": False, "cache_policy": NO_CACHE, **options})
         return self._task
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -50,6 +55,17 @@ class Step:
 
     def __repr__(self) -> str:
         return f"Step({self.options.get('name', self.fn.__name__)})"
+
+
+def markup_safe_name(template: str) -> Callable[..., str]:
+    """A task run name from `template` (formatted as Prefect formats it) with square brackets, also those inside
+    parameter values such as paths, turned into parentheses: the name is never rich markup."""
+    def name(parameters: dict[str, Any]) -> str:
+        return template.format(**parameters).translate(_NO_BRACKETS)
+    return name
+
+
+_NO_BRACKETS = str.maketrans("[]", "()")
 
 
 def step(**options: Any) -> Callable[[Callable[..., Any]], Step]:

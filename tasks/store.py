@@ -134,9 +134,27 @@ class Entry:
                 problem = f"stored result does not validate as {model.__name__} ({exc})".splitlines()[0]
         if quiet:
             return None
-        level = run_logger().info if problem == "no entry yet" else run_logger().warning
-        level("%s: not cached: %s", self.label, problem)
+        if problem == "no entry yet":
+            run_logger().info("%s: not cached: %s", self.label, problem)
+        elif not self.manifest_path.is_file() and self.being_produced():
+            pass  # a live concurrent writer, not an abandoned attempt: lock() says at INFO that this run waits for it
+        else:
+            run_logger().warning("%s: not cached: %s", self.label, problem)
         return None
+
+    def being_produced(self) -> bool:
+        """Whether another writer holds the entry's lock right now (a probe: the lock is released at once)."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            if not _try_lock(fd):
+                return True
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------ writing (hold the lock)
 

@@ -83,7 +83,7 @@ def _experiment_id(client, name: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
-@step(name="log-to-mlflow", retries=2, retry_delay_seconds=10, task_run_name="log-to-mlflow[{cfg.run.name}]",
+@step(name="log-to-mlflow", retries=2, retry_delay_seconds=10, task_run_name="log-to-mlflow({cfg.run.name})",
       tags=["tracking"])
 def log_to_mlflow(cfg: FinetuneConfig, plan: Plan, result) -> str:
     """Log a finished run (a FinetuneResult) to `tracking.mlflow_uri`; return the MLflow run id."""

@@ -181,7 +181,7 @@ RESUMABLE = ("checkpoints", "ray", "train.log", "attempts.json", "adapt.json")
 
 
 @step(name="train-adapter", retry_condition_fn=retry_unless_user_error,
-      task_run_name="train-adapter[{cfg.run.name}: {cfg.train.max_steps} steps]", tags=["training", "device"])
+      task_run_name="train-adapter({cfg.run.name}: {cfg.train.max_steps} steps)", tags=["training", "device"])
 def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan, gpus: GpuSelection,
                   run_dir: Path):
     """Reuse the verified adapter, or train it under the entry's lock (held for the whole attempt, so no other

@@ -45,7 +45,7 @@ def child_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str
 # them); the others follow in their usual order and fill the workers in at the end.
 LONGEST_FIRST = [  # fresh-clone `make test` at 408c6f2: 309 passed in 1,190 s (1,284 s with the set-up)
     "test_scale_ray.py", "test_faults_store.py", "test_pipeline.py", "test_faults.py", "test_deployments.py",
-    "test_faults_stack.py", "test_faults_signals.py", "test_scale_out.py", "test_progress.py",
+    "test_faults_stack.py", "test_faults_signals.py", "test_faults_cli.py", "test_scale_out.py", "test_progress.py",
     "test_policy_deployments.py", "test_plots_ui.py", "test_bench_train.py", "test_honest_numbers.py",
     "test_bench_eval.py",
 ]

@@ -138,11 +138,13 @@ class PrefectStack:
     def start_worker(self) -> None:
         self._spawn(["make", "-o", STAMP, "worker", f"FINETUNE_FLOWS_POLICY={self.policy}"], "worker")
 
-    def deployment_run(self, name: str, **params: Any) -> str:
-        """`prefect deployment run NAME --param k=<json>`; returns the new flow run's id."""
+    def deployment_run(self, name: str, job_variables: dict[str, Any] | None = None, **params: Any) -> str:
+        """`prefect deployment run NAME --param k=<json> [--job-variable k=<json>]`; returns the new flow run's id."""
         argv = [PREFECT, "deployment", "run", name]
         for key, value in params.items():
             argv += ["--param", f"{key}={json.dumps(value)}"]
+        for key, value in (job_variables or {}).items():
+            argv += ["--job-variable", f"{key}={json.dumps(value)}"]
         out = self.run(argv).stdout
         match = re.search(r"UUID: ([0-9a-f-]{36})", out)
         assert match, f"no flow run id in the output of {' '.join(argv)}:\n{out}"

@@ -111,3 +111,17 @@ def test_reference_documents_every_key():
             assert f"{section}.{key} = " in text or f"{section}.{key}." in text
             if not hasattr(field.annotation, "model_fields"):
                 assert field.description, f"{section}.{key} has no description"
+
+
+def test_help_config_into_a_closed_pipe_exits_quietly():
+    """`--help-config | head -3`: the reader is gone before the output is written; no traceback, exit 0."""
+    import subprocess
+    import sys
+
+    from conftest import child_env
+
+    proc = subprocess.Popen([sys.executable, "flows/finetune.py", "--help-config"], cwd=REPO, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the child has even imported its modules: every write of it meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and err == "", err

@@ -83,6 +83,12 @@ def runs(stack, host):
     ids = {name: stack.deployment_run("finetune/on-demand", overrides=tiny(host, **overrides))
            for name, (overrides, _) in refusals(host).items()}
     ids["allowed"] = stack.deployment_run("finetune/on-demand", overrides=tiny(host))
+    # a caller's own policy (remote code allowed) through a job variable, for a run that needs remote code
+    swapped = PrefectStack.write_policy(host / "callers-policy.yaml", {
+        "remote_code": True, "data_roots": [host / "data"], "output_roots": [host / "runs"],
+        "cache_roots": [host / "cache"]})
+    ids["policy-swap"] = stack.deployment_run("finetune/on-demand", overrides=tiny(host, **{
+        "model.trust_remote_code": "true"}), job_variables={"env": {"FINETUNE_FLOWS_POLICY": str(swapped)}})
     finished = stack.wait_for(list(ids.values()), timeout=900)
     return {name: (i, finished[i]) for name, i in ids.items()}
 
@@ -101,6 +107,15 @@ def test_a_run_asking_for_more_than_the_policy_is_refused_and_writes_nothing(sta
     assert refusals(host)[name][1] in text, text[-3000:]
     assert SECRET_ROW not in text and SECRET not in text
     assert sorted(p.name for p in (host / "outside").iterdir()) == ["private.jsonl"]  # nothing written outside
+
+
+def test_a_job_variable_cannot_swap_the_worker_policy(stack, runs):
+    flow_run_id, run = runs["policy-swap"]
+    assert run.state.type.value == "FAILED", run.state.message
+    text = messages(stack, flow_run_id)
+    assert "the run's job variables set env FINETUNE_FLOWS_POLICY: the worker policy is the worker host's" in text, (
+        text[-3000:])
+    assert "run allowed" not in text
 
 
 def test_refused_runs_left_no_run_directory_and_no_cache_entry(host, runs):

@@ -40,3 +40,45 @@ def test_a_step_is_its_plain_function_and_a_prefect_task_on_first_use():
     assert double.name == "double-it" and double.retries == 2 and double.tags == {"t"}
     assert double.task.persist_result is False and double.task.cache_policy is NO_CACHE
     assert isinstance(double.with_options(retries=0), Task)
+
+
+class _Value:
+    """Any parameter of a step, any attribute of it (cfg.data.source, plan.eval_attn): an absolute path with square
+    brackets, the value that once ended `prefect deployment run --watch` with rich's MarkupError."""
+
+    TEXT = "/abs/data [v2]/rows[/x].jsonl"
+
+    def __getattr__(self, name: str) -> _Value:
+        return self
+
+    def __format__(self, spec: str) -> str:
+        return self.TEXT
+
+
+def test_every_step_task_run_name_is_safe_for_prefects_cli():
+    """Each step's task run name, resolved as Prefect resolves it, printed as `--watch` prints a task-run event."""
+    import importlib
+    import inspect
+    import io
+    import uuid
+
+    from prefect._internal.engine import resolve_custom_task_run_name
+    from prefect.cli.flow_runs_watching import FlowRunFormatter
+    from prefect.events import Event
+    from rich.console import Console
+
+    from tasks.steps import Step
+
+    steps = [obj for m in ("dataset", "export", "quantize", "gpus", "environment", "evaluate", "tracking", "train")
+             for obj in vars(importlib.import_module(f"tasks.{m}")).values()
+             if isinstance(obj, Step) and obj.options.get("task_run_name")]
+    assert len(steps) >= 9, steps
+    for step in steps:
+        parameters = {p: _Value() for p in inspect.signature(step.fn).parameters}
+        name = resolve_custom_task_run_name(step.task, parameters)
+        event = Event(event="prefect.task-run.Running", resource={
+            "prefect.resource.id": f"prefect.task-run.{uuid.uuid4()}", "prefect.resource.name": name})
+        out = io.StringIO()
+        Console(file=out, width=400).print(FlowRunFormatter().format(event))  # raised MarkupError before
+        assert name.startswith(step.options["name"]) and name in out.getvalue(), (name, out.getvalue())
+        assert "/abs/data (v2)/rows(/x).jsonl" in name, name  # the value is still read, brackets as parentheses
