@@ -3,7 +3,8 @@
 Rows may be instruction/response pairs, chat `messages`, or plain text. The tokenizer's chat template is
 applied where it has one; prompt tokens get label -100 so only the answer is learned; BOS and EOS are added
 as the tokenizer defines them, templated or not. Held-out rows whose prompt also appears in training (exactly,
-or after folding case, digits and whitespace) are removed, and the count is reported. The result is a store
+or after folding case and whitespace, and digits where `data.held_out_fold_digits` says so) are removed, and the
+count is reported. The result is a store
 entry keyed on the data content, the tokenizer files, the data settings, library versions and code.
 """
 
@@ -45,7 +46,14 @@ class PreparedDataset(BaseModel):
     truncated: int
     dropped: int
     eval_removed_exact: int = 0  # held-out rows dropped because training has the same prompt
-    eval_removed_normalized: int = 0  # ... the same prompt once case, digits and whitespace are folded
+    eval_removed_normalized: int = 0  # ... the same prompt once `folded` is folded
+    folded: str = "case and whitespace"  # what the second count folded (fold_description)
+
+    def removed_note(self) -> str:
+        """How many held-out rows were removed, and why: for the log, the eval artifacts and the run summary."""
+        return (f"{self.eval_removed_exact + self.eval_removed_normalized} held-out row(s) removed as copies of "
+                f"training prompts ({self.eval_removed_exact} exact, {self.eval_removed_normalized} after folding "
+                f"{self.folded})")
 
 
 # ---------------------------------------------------------------- reading
@@ -306,21 +314,27 @@ def prompt_text(example: list[dict[str, str]] | str) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in example[:last])
 
 
-def fold(text: str) -> str:
-    """Case, digit runs and whitespace folded: `Order 123  late` and `order 9 late` are the same prompt."""
-    return re.sub(r"\s+", " ", re.sub(r"\d+", "0", text.casefold())).strip()
+def fold(text: str, digits: bool = False) -> str:
+    """Case and whitespace folded (`Order 12  late` is `order 12 late`); with `digits`, runs of digits too (then
+    `order 9 late` is the same prompt)."""
+    text = text.casefold()
+    return re.sub(r"\s+", " ", re.sub(r"\d+", "0", text) if digits else text).strip()
 
 
-def held_out(train: list, evaluation: list) -> tuple[list, int, int]:
+def fold_description(digits: bool) -> str:
+    return "case, digits and whitespace" if digits else "case and whitespace"
+
+
+def held_out(train: list, evaluation: list, digits: bool = False) -> tuple[list, int, int]:
     """Eval examples whose prompt is not in training; (kept, removed exactly, removed after folding)."""
     exact = {prompt_text(ex) for ex in train}
-    folded = {fold(p) for p in exact}
+    folded = {fold(p, digits) for p in exact}
     kept, removed_exact, removed_folded = [], 0, 0
     for ex in evaluation:
         p = prompt_text(ex)
         if p in exact:
             removed_exact += 1
-        elif fold(p) in folded:
+        elif fold(p, digits) in folded:
             removed_folded += 1
         else:
             kept.append(ex)
@@ -370,11 +384,14 @@ def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> Prepar
         if len(examples) - n_eval < 1:
             raise DataError(f"{d.source}: {len(examples)} row(s) is too few to hold {n_eval} out for evaluation")
         train_examples, eval_examples = examples[n_eval:], examples[:n_eval]
-    eval_examples, removed_exact, removed_folded = held_out(train_examples, eval_examples)
+    eval_examples, removed_exact, removed_folded = held_out(train_examples, eval_examples, d.held_out_fold_digits)
     if not eval_examples:
+        fix = ("hold out rows whose prompts differ from the training ones" if d.eval_source
+               else "use a separate data.eval_source")
         raise DataError(f"{d.eval_source or d.source}: every held-out example's prompt also appears in training "
-                        "(exactly or after folding case, digits and whitespace): nothing is left to evaluate "
-                        "honestly; use a separate data.eval_source")
+                        f"(exactly or after folding {fold_description(d.held_out_fold_digits)}, "
+                        f"data.held_out_fold_digits={str(d.held_out_fold_digits).lower()}): nothing is left to "
+                        f"evaluate honestly; {fix}")
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=cfg.model.trust_remote_code)
     stats = {"truncated": 0, "dropped": 0, "train_tokens": 0}
@@ -411,7 +428,8 @@ def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> Prepar
                              train_rows=len(train["input_ids"]), eval_rows=len(evaluation["input_ids"]),
                              train_tokens=stats["train_tokens"], truncated=stats["truncated"],
                              dropped=stats["dropped"], eval_removed_exact=removed_exact,
-                             eval_removed_normalized=removed_folded)
+                             eval_removed_normalized=removed_folded,
+                             folded=fold_description(d.held_out_fold_digits))
     (out / "stats.json").write_text(result.model_dump_json(indent=2))
     return result
 
@@ -423,12 +441,9 @@ def prepare_dataset(cfg: FinetuneConfig, tokenizer_dir: Path):
     entry = Entry(cfg.cache_root, "datasets", data_fingerprint(cfg, tokenizer_dir))
     result, reused = reuse_or_produce(entry, PreparedDataset, lambda: build_dataset(cfg, tokenizer_dir, entry.path),
                                       OUTPUTS)
-    run_logger().info("dataset: %s format, %d train / %d eval rows (%d held-out rows removed as copies of training "
-                      "prompts: %d exact, %d after folding case/digits/whitespace), %d train tokens, %d truncated, "
-                      "%d dropped -> %s", result.format, result.train_rows, result.eval_rows,
-                      result.eval_removed_exact + result.eval_removed_normalized, result.eval_removed_exact,
-                      result.eval_removed_normalized, result.train_tokens, result.truncated, result.dropped,
-                      result.path)
+    run_logger().info("dataset: %s format, %d train / %d eval rows (%s), %d train tokens, %d truncated, "
+                      "%d dropped -> %s", result.format, result.train_rows, result.eval_rows, result.removed_note(),
+                      result.train_tokens, result.truncated, result.dropped, result.path)
     return step_state(result, reused, entry)
 
 
