@@ -344,6 +344,35 @@ def held_out(train: list, evaluation: list, digits: bool = False) -> tuple[list,
 # ---------------------------------------------------------------- the step
 
 
+def split(d: DataConfig, examples: list, eval_examples: list | None) -> tuple[list, list, int, int]:
+    """(train, held out, removed exactly, removed after folding): the rows shuffled with data.seed and capped at
+    data.max_samples, eval_fraction split off (or the eval_source rows taken), copies of training prompts removed.
+    The checks before the run call it too, so a split that leaves nothing stops the run before a server starts."""
+    examples = list(examples)
+    random.Random(d.seed).shuffle(examples)
+    if d.max_samples:
+        examples = examples[: d.max_samples]
+    if eval_examples is None:
+        n_eval = max(1, round(len(examples) * d.eval_fraction))
+        if len(examples) - n_eval < 1:
+            capped = f", data.max_samples={d.max_samples}" if d.max_samples else ""
+            raise DataError(f"{d.source}: {len(examples)} row(s) is too few to hold {n_eval} out for evaluation "
+                            f"and train on the rest (data.eval_fraction={d.eval_fraction}{capped}); add rows, lower "
+                            "data.eval_fraction or set data.eval_source")
+        train_examples, eval_examples = examples[n_eval:], examples[:n_eval]
+    else:
+        train_examples = examples
+    kept, removed_exact, removed_folded = held_out(train_examples, eval_examples, d.held_out_fold_digits)
+    if not kept:
+        fix = ("hold out rows whose prompts differ from the training ones" if d.eval_source
+               else "use a separate data.eval_source")
+        raise DataError(f"{d.eval_source or d.source}: every held-out example's prompt also appears in training "
+                        f"(exactly or after folding {fold_description(d.held_out_fold_digits)}, "
+                        f"data.held_out_fold_digits={str(d.held_out_fold_digits).lower()}): nothing is left to "
+                        f"evaluate honestly; {fix}")
+    return train_examples, kept, removed_exact, removed_folded
+
+
 def data_key_parts(cfg: FinetuneConfig, tokenizer_dir: Path) -> dict[str, Any]:
     """Everything the prepared dataset depends on (the README's cache-key table lists the same)."""
     d = cfg.data
@@ -370,28 +399,12 @@ def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> Prepar
 
     d = cfg.data
     fmt, examples = normalize(read_rows(d.source, d), d, d.source)
-    rng = random.Random(d.seed)
-    rng.shuffle(examples)
-    if d.max_samples:
-        examples = examples[: d.max_samples]
+    eval_examples = None
     if d.eval_source:
         eval_fmt, eval_examples = normalize(read_rows(d.eval_source, d), d, d.eval_source)
         if eval_fmt != fmt:
             raise DataError(f"{d.eval_source} is {eval_fmt} format but {d.source} is {fmt}")
-        train_examples = examples
-    else:
-        n_eval = max(1, round(len(examples) * d.eval_fraction))
-        if len(examples) - n_eval < 1:
-            raise DataError(f"{d.source}: {len(examples)} row(s) is too few to hold {n_eval} out for evaluation")
-        train_examples, eval_examples = examples[n_eval:], examples[:n_eval]
-    eval_examples, removed_exact, removed_folded = held_out(train_examples, eval_examples, d.held_out_fold_digits)
-    if not eval_examples:
-        fix = ("hold out rows whose prompts differ from the training ones" if d.eval_source
-               else "use a separate data.eval_source")
-        raise DataError(f"{d.eval_source or d.source}: every held-out example's prompt also appears in training "
-                        f"(exactly or after folding {fold_description(d.held_out_fold_digits)}, "
-                        f"data.held_out_fold_digits={str(d.held_out_fold_digits).lower()}): nothing is left to "
-                        f"evaluate honestly; {fix}")
+    train_examples, eval_examples, removed_exact, removed_folded = split(d, examples, eval_examples)
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=cfg.model.trust_remote_code)
     stats = {"truncated": 0, "dropped": 0, "train_tokens": 0}
