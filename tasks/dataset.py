@@ -101,6 +101,11 @@ def read_rows(source: str, cfg: DataConfig) -> list[dict[str, Any]]:
     raise DataError(f"{path}: unsupported file type {suffix or '(none)'}; use .jsonl, .json, .csv or .parquet")
 
 
+def json_problem(exc: json.JSONDecodeError) -> str:
+    """The decoder's message followed by `at `: some messages already end with it (`Invalid control character at`)."""
+    return exc.msg.removesuffix(" at") + " at "
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
     with open(path, encoding="utf-8") as f:
@@ -110,7 +115,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path} line {lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                raise DataError(f"{path} line {lineno}: not valid JSON ({json_problem(exc)}column {exc.colno})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
             row["__row__"] = f"line {lineno}"
@@ -122,7 +127,7 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+        raise DataError(f"{path}: not valid JSON ({json_problem(exc)}line {exc.lineno}, column {exc.colno})") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
