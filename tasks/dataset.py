@@ -24,7 +24,7 @@ from tasks.demo_data import BUILTIN_DATASETS
 from tasks.errors import DataError, retry_unless_user_error
 from tasks.fingerprint import combine, hash_bytes_of, hash_tree, step_versions
 from tasks.launcher import run_logger
-from tasks.store import Entry, reuse_or_produce, step_state
+from tasks.store import MANIFEST, Entry, reuse_or_produce, step_state
 from tasks.steps import step
 
 IGNORE_INDEX = -100
@@ -388,7 +388,9 @@ def data_key_parts(cfg: FinetuneConfig, tokenizer_dir: Path) -> dict[str, Any]:
             content.append(hash_bytes_of([p]))
         else:  # builtin: the generator's code is in the key; hub: the pinned revision
             content.append(f"{source}@{d.hub_revision}" if source.startswith("hub:") else source)
-    return {"data": content, "tokenizer": hash_tree(tokenizer_dir, (".json", ".jinja", ".model", ".txt")),
+    # the tokenizer's files, not the store's manifest of them (it holds the time the entry was written)
+    tokenizer = hash_tree(tokenizer_dir, (".json", ".jinja", ".model", ".txt"), exclude=(MANIFEST,))
+    return {"data": content, "tokenizer": tokenizer,
             "settings": d.model_dump(mode="json"), **step_versions("prepare-dataset")}
 
 
