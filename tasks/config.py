@@ -47,7 +47,8 @@ class ModelConfig(Section):
     )
     trust_remote_code: bool = Field(
         False, description="Allow custom code from the checkpoint, for the tokenizer, quantization, training and "
-        "evaluation alike. A worker's policy may forbid it (deployments/README.md)."
+        "evaluation alike; without it a local checkpoint whose config.json or tokenizer_config.json has an "
+        "`auto_map` is refused before the run. A worker's policy may forbid it (deployments/README.md)."
     )
 
 

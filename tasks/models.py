@@ -55,8 +55,9 @@ def _builtin_gguf(name: str) -> tuple[Path, str]:
     return path, importlib.metadata.version(dist)
 
 
-def check_model_source(source: str) -> None:
-    """Refuse a source that cannot be a model, before anything is loaded."""
+def check_model_source(source: str, trust_remote_code: bool = False) -> None:
+    """Refuse a source that cannot be a model, before anything is loaded; a local checkpoint with its own modeling
+    or tokenizer code (an `auto_map`) only with model.trust_remote_code."""
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
         if name not in BUILTIN:
@@ -86,9 +87,24 @@ def check_model_source(source: str) -> None:
             raise ModelSourceError(f"model.source={source}: config.json has no model_type")
         if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
             raise ModelSourceError(f"model.source={source} has a config.json but no weights (*.safetensors/*.bin)")
+        if not trust_remote_code:
+            _refuse_custom_code(source, path, config)
         return
     if source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise ModelSourceError(f"model.source={source}: no such file or directory")
+
+
+def _refuse_custom_code(source: str, path: Path, config: dict) -> None:
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            settings = config if name == "config.json" else json.loads((path / name).read_text())
+        except (OSError, json.JSONDecodeError):  # no tokenizer config (or an unreadable one): nothing declared
+            continue
+        if isinstance(settings, dict) and settings.get("auto_map"):
+            raise ModelSourceError(
+                f"model.source={source}: {name} has an auto_map ({', '.join(sorted(settings['auto_map']))}), so "
+                "loading it runs the checkpoint's own Python code; set model.trust_remote_code=true if you trust "
+                "that code")
 
 
 def model_identity(source: str, revision: str | None = None) -> str:
@@ -178,7 +194,7 @@ def _materialized(entry: Entry, build) -> Path:
 def materialize_model(source: str, cache_root: Path, revision: str | None = None,
                       trust_remote_code: bool = False) -> Path:
     """Return a local checkpoint directory for the source, converting/generating it once into the cache."""
-    check_model_source(source)
+    check_model_source(source, trust_remote_code)
     path = Path(source).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -197,7 +213,7 @@ def materialize_model(source: str, cache_root: Path, revision: str | None = None
 def materialize_tokenizer(source: str, cache_root: Path, revision: str | None = None,
                           trust_remote_code: bool = False) -> Path:
     """A local directory with just the tokenizer (cheap: no weights are loaded)."""
-    check_model_source(source)
+    check_model_source(source, trust_remote_code)
     path = Path(source).expanduser()
     if path.is_dir():
         return path.resolve()

@@ -35,7 +35,7 @@ def preflight(config: str | Path | None, overrides: list[str] | None = None) -> 
     """The validated config, or a UserInputError naming every problem found (the data's first). The worker
     host's policy (tasks/policy.py) is applied first, so a refused run reads and writes nothing."""
     cfg = checked_config(config, overrides)
-    check_model_source(cfg.model.source)
+    check_model_source(cfg.model.source, cfg.model.trust_remote_code)
     check_data(cfg)
     check_directories(cfg)
     problems = optimizer_problems(cfg) + machine_problems(cfg) + tracking_problems(cfg)

@@ -82,6 +82,27 @@ def test_cli_refuses_a_split_that_leaves_nothing_before_any_server(tmp_path, cas
     assert done.stderr.count("\n") == 1, done.stderr
 
 
+def test_cli_refuses_a_checkpoint_with_its_own_code_unless_trusted(tmp_path):
+    """config.json's auto_map means loading runs the checkpoint's Python code: refused in one line naming the key,
+    before anything loads (the weights here are not even a model)."""
+    import json
+
+    model = tmp_path / "custom"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "custom-llama", "auto_map": {
+        "AutoConfig": "configuration_custom.CustomConfig", "AutoModelForCausalLM": "modeling_custom.CustomModel"}}))
+    (model / "model.safetensors").write_bytes(b"never read")
+    done = cli(tmp_path, "--set", f"model.source={model}")
+    assert_one_message_before_any_server(
+        done, tmp_path, f"model.source={model}: config.json has an auto_map (AutoConfig, AutoModelForCausalLM), so "
+        "loading it runs the checkpoint's own Python code; set model.trust_remote_code=true if you trust that code")
+    assert done.stderr.count("\n") == 1, done.stderr
+    # trusted, the same directory passes this check (and the next one finds what is wrong with it)
+    from tasks.models import check_model_source
+
+    check_model_source(str(model), trust_remote_code=True)
+
+
 def test_cli_names_the_yaml_file_and_line(tmp_path):
     config = tmp_path / "broken.yaml"
     config.write_text("train:\n  max_steps: 5\n  learning_rate: [1e-4\n")
