@@ -71,6 +71,39 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{seconds:8.1f}s  {name}")
 
 
+CUSTOM_CODE = {
+    "configuration_custom.py": "from transformers import LlamaConfig\n\n\nclass CustomConfig(LlamaConfig):\n"
+                               "    model_type = 'custom-llama'\n",
+    "modeling_custom.py": "from transformers import LlamaForCausalLM\n\nfrom .configuration_custom import CustomConfig"
+                          "\n\n\nclass CustomModel(LlamaForCausalLM):\n    config_class = CustomConfig\n",
+    "tokenization_custom.py": "from transformers import PreTrainedTokenizerFast\n\n\n"
+                              "class CustomTokenizerFast(PreTrainedTokenizerFast):\n    pass\n",
+}
+
+
+def custom_code_checkpoint(out: Path) -> Path:
+    """A tiny checkpoint whose config and tokenizer name their own Python code (auto_map), as a model with custom
+    modeling code on the Hub does: transformers loads it only with trust_remote_code=True and otherwise asks."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.models import build_generated_tokenizer
+
+    build_generated_tokenizer(out)
+    LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(out)
+    for name, code in CUSTOM_CODE.items():
+        (out / name).write_text(code)
+    for name, update in (("config.json", {"model_type": "custom-llama", "auto_map": {
+                             "AutoConfig": "configuration_custom.CustomConfig",
+                             "AutoModelForCausalLM": "modeling_custom.CustomModel"}}),
+                         ("tokenizer_config.json", {"tokenizer_class": "CustomTokenizerFast", "auto_map": {
+                             "AutoTokenizer": [None, "tokenization_custom.CustomTokenizerFast"]}})):
+        (out / name).write_text(json.dumps({**json.loads((out / name).read_text()), **update}))
+    return out
+
+
 def load_benchmark(name: str):
     """benchmarks/<name>.py (a script, not a package module) loaded as a module."""
     import importlib.util
