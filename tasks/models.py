@@ -159,11 +159,36 @@ def _materialize_generated(arch: str, out: Path) -> None:
     model.save_pretrained(out)
 
 
-def _materialize_gguf(path: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# GGUF metadata that says whether a sequence starts with BOS / ends with EOS, and the tokenizer attribute for each
+GGUF_SPECIAL_TOKENS = {"tokenizer.ggml.add_bos_token": "add_bos_token", "tokenizer.ggml.add_eos_token": "add_eos_token"}
+
+
+def gguf_tokenizer(path: Path):
+    """The GGUF's tokenizer as transformers builds it, adding BOS and EOS as the file says: transformers reads
+    neither key, so a model trained with a BOS before every sequence (Gemma's) would get none. The setting is kept
+    in the saved tokenizer.json (its post-processor)."""
+    import gguf
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    fields = gguf.GGUFReader(str(path)).fields
+    settings = {attr: bool(fields[key].parts[fields[key].data[0]][0])
+                for key, attr in GGUF_SPECIAL_TOKENS.items() if key in fields}
+    ids = tok("x", add_special_tokens=True)["input_ids"]
+    does = {"add_bos_token": tok.bos_token_id is not None and ids[0] == tok.bos_token_id,
+            "add_eos_token": tok.eos_token_id is not None and ids[-1] == tok.eos_token_id}
+    if any(does[attr] != value for attr, value in settings.items()):  # else the tokenizer is left as it is
+        for attr in does:
+            setattr(tok, attr, settings.get(attr, does[attr]))
+        tok.update_post_processor()
+    return tok
+
+
+def _materialize_gguf(path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = gguf_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
     # The loader dequantizes the GGUF tensors; drop its GGUF marker so the result saves as a plain checkpoint.
     model.hf_quantizer = None
@@ -225,7 +250,7 @@ def materialize_tokenizer(source: str, cache_root: Path, revision: str | None = 
             build_generated_tokenizer(out)
         elif source.startswith("builtin:") or path.is_file():
             gguf = _builtin_gguf(source.split(":", 1)[1])[0] if source.startswith("builtin:") else path
-            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+            gguf_tokenizer(gguf).save_pretrained(out)
         else:
             AutoTokenizer.from_pretrained(source, revision=revision,
                                           trust_remote_code=trust_remote_code).save_pretrained(out)

@@ -159,6 +159,28 @@ def test_a_tokenizer_without_a_default_bos_gets_none(tokenizers):
     assert chatml.bos_token is None and chatml.decode(enc["input_ids"]).startswith("<|im_start|>system")
 
 
+@pytest.mark.parametrize("add_bos,add_eos", [(True, None), (False, True)])
+def test_a_gguf_models_bos_and_eos_settings_reach_training_rows_and_eval_prompts(tmp_path, add_bos, add_eos):
+    """tokenizer.ggml.add_bos_token / add_eos_token of a GGUF (Gemma-3's say add_bos_token = true), which the
+    tokenizer transformers builds from the file ignores: the dataset's tokenizer and the converted checkpoint's
+    carry them."""
+    from conftest import tiny_gguf
+    from tasks.models import materialize_model, materialize_tokenizer
+
+    path = tiny_gguf(tmp_path / "tiny.gguf", add_bos=add_bos, add_eos=add_eos)
+    example = [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "de"}]
+    for directory in (materialize_tokenizer(str(path), tmp_path / "cache"),
+                      materialize_model(str(path), tmp_path / "cache")):
+        tok = AutoTokenizer.from_pretrained(directory)
+        ids = tok("ab", add_special_tokens=True)["input_ids"]
+        assert (ids[0] == tok.bos_token_id) is add_bos and (ids[-1] == tok.eos_token_id) is bool(add_eos)
+        enc, _ = tokenize_example(tok, example, 64)
+        prompt = prompt_and_reference(tok, example)["prompt"]
+        starts = tok(prompt, add_special_tokens=False)["input_ids"][0]
+        assert (enc["input_ids"][0] == tok.bos_token_id) is add_bos and (starts == tok.bos_token_id) is add_bos
+        assert enc["input_ids"].count(tok.bos_token_id) == int(add_bos)
+
+
 # ---------------------------------------------------------------- one seed, one adapter
 
 
