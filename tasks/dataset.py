@@ -115,7 +115,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path} line {lineno}: not valid JSON ({json_problem(exc)}column {exc.colno})") from None
+                raise DataError(f"{path} line {lineno}: not valid JSON ({json_problem(exc)}column {exc.colno})") \
+                    from None
             if not isinstance(row, dict):
                 raise DataError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
             row["__row__"] = f"line {lineno}"

@@ -160,7 +160,8 @@ def _materialize_generated(arch: str, out: Path) -> None:
 
 
 # GGUF metadata that says whether a sequence starts with BOS / ends with EOS, and the tokenizer attribute for each
-GGUF_SPECIAL_TOKENS = {"tokenizer.ggml.add_bos_token": "add_bos_token", "tokenizer.ggml.add_eos_token": "add_eos_token"}
+GGUF_SPECIAL_TOKENS = {"tokenizer.ggml.add_bos_token": "add_bos_token",
+                       "tokenizer.ggml.add_eos_token": "add_eos_token"}
 
 
 def gguf_tokenizer(path: Path):

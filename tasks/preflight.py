@@ -2,9 +2,10 @@
 
 The CLI runs it first, so bad input is one message and exit status 2, with no traceback and no run directory left
 behind; the flows run it again first thing, because a deployment run has no CLI. Checked: the config (every key,
-and combinations), the model source (names and files, no weights), every row of the data files (an encoding error
-names its line) and their split (rows to train on, held-out rows left once copies of training prompts are removed), the GPUs through NVML (ids, CUDA_VISIBLE_DEVICES, MIG; no torch, no CUDA context), what the
-attention backend needs from the machine, the optimizer name, the experiment trackers (installed, an MLflow
+and combinations), the model source (names and files, no weights; custom code only when trusted), every row of the
+data files (an encoding error names its line) and their split (rows to train on, held-out rows left once copies of
+training prompts are removed), the GPUs through NVML (ids, CUDA_VISIBLE_DEVICES, MIG; no torch, no CUDA context),
+what the attention backend needs from the machine, the optimizer name, the experiment trackers (installed, an MLflow
 server answering), and that the run and cache directories (and $FINETUNE_FLOWS_PROBE_DIR, where set) can be
 created. LoRA target modules need the model's module names: `check_lora_targets` builds the model on the meta
 device from its config.json (no weights) before training launches.

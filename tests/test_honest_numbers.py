@@ -192,8 +192,8 @@ def test_two_cpu_runs_with_one_config_train_the_same_adapter_bytes(prefect_serve
     first = finetune(None, overrides)
     adapter = (first.adapter_path / "adapter_model.safetensors").read_bytes()
     assert first.eval.held_out_removed == 0 and "Base model: exact match" in first.eval.explanation
-    assert (f"held out: {first.eval.eval_rows} rows evaluated; 0 held-out row(s) removed as copies of training prompts (0 exact, 0 after "
-            "folding case and whitespace)") in render_summary(first)
+    assert (f"held out: {first.eval.eval_rows} rows evaluated; 0 held-out row(s) removed as copies of training "
+            "prompts (0 exact, 0 after folding case and whitespace)") in render_summary(first)
     assert set(first.eval.rates["adapter"]) == {"exact_match", "contains"}
     shutil.rmtree(Path(first.train.output_dir))  # forget the adapter (and its checkpoints): train from scratch
 

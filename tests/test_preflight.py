@@ -60,7 +60,8 @@ SPLITS = {  # rows of the training file, of the held-out file (None: split off),
                      "the rest (data.eval_fraction=0.1)"),
     "a fraction that leaves no training row": (
         ["a", "b", "c", "d"], None, ["data.eval_fraction=0.9"],
-        "train.jsonl: 4 row(s) is too few to hold 4 out for evaluation and train on the rest (data.eval_fraction=0.9)"),
+        "train.jsonl: 4 row(s) is too few to hold 4 out for evaluation and train on the rest "
+        "(data.eval_fraction=0.9)"),
     "no held-out row left": (["a", "b"], ["A", " b "], [], "eval.jsonl: every held-out example's prompt also appears "
                              "in training (exactly or after folding case and whitespace, data.held_out_fold_digits="
                              "false)"),
@@ -73,7 +74,8 @@ def test_cli_refuses_a_split_that_leaves_nothing_before_any_server(tmp_path, cas
     args = []
     for name, prompts in (("train", train), ("eval", held)):
         if prompts is not None:
-            (tmp_path / f"{name}.jsonl").write_text("".join(f'{{"prompt": "{p}", "response": "r"}}\n' for p in prompts))
+            rows = "".join(f'{{"prompt": "{p}", "response": "r"}}\n' for p in prompts)
+            (tmp_path / f"{name}.jsonl").write_text(rows)
             args += ["--set", f"data.{'source' if name == 'train' else 'eval_source'}={tmp_path / f'{name}.jsonl'}"]
     for override in overrides:
         args += ["--set", override]

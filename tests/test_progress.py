@@ -250,7 +250,8 @@ def test_every_step_is_timed_with_its_own_tokens_the_last_one_included(tmp_path,
     events = [json.loads(line[len(EVENT_PREFIX):]) for line in capsys.readouterr().out.splitlines()
               if line.startswith(EVENT_PREFIX)]
     logged = [e for e in events if e["kind"] == "train_log"]
-    assert [e["step"] for e in logged] == list(range(1, steps + 1)) and all(e["tokens_per_second"] > 0 for e in logged)
+    assert [e["step"] for e in logged] == list(range(1, steps + 1))
+    assert all(e["tokens_per_second"] > 0 for e in logged)
     # four steps are too few for a steady-state figure: the summary line says why instead of "steady None"
     assert steady_text(steady_state(clock.steps, 1.0, 2)) == (
         "no steady-state figure: 2 step(s) after the 2-step warm-up (checkpoint and compiling steps left out), "
