@@ -50,7 +50,7 @@ def main(job_path: str) -> None:
         bf16=on_gpu, use_cpu=not on_gpu, gradient_checkpointing=True, logging_steps=5, save_strategy="no",
         report_to=[], remove_unused_columns=False, disable_tqdm=True, seed=job["seed"], optim="adamw_torch",
     )
-    clock = StepClock(collator, torch.cuda.synchronize if on_gpu else (lambda: None))
+    clock = StepClock(collator, torch.cuda.synchronize if on_gpu else (lambda: None), model)
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):

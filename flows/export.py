@@ -36,7 +36,7 @@ def export(adapter: str, config: str | None = None, overrides: list[str] | None 
     check_adapter_path(adapter)  # the worker's policy first: nothing read or written
     adapter_dir = check_adapter_dir(adapter)  # before anything loads
     cfg = pin_hub_revisions(checked_config(config or training_config(adapter_dir), overrides))
-    check_model_source(cfg.model.source)
+    check_model_source(cfg.model.source, cfg.model.trust_remote_code)
     run_dir = create_export_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir)
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:  # fail fast, before a Prefect server is even started
         adapter_dir = check_adapter_dir(args.adapter)
-        check_model_source(load_config(args.config or training_config(adapter_dir), args.overrides).model.source)
+        model = load_config(args.config or training_config(adapter_dir), args.overrides).model
+        check_model_source(model.source, model.trust_remote_code)
         result = export(args.adapter, args.config, args.overrides)
     except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -47,7 +47,8 @@ class ModelConfig(Section):
     )
     trust_remote_code: bool = Field(
         False, description="Allow custom code from the checkpoint, for the tokenizer, quantization, training and "
-        "evaluation alike. A worker's policy may forbid it (deployments/README.md)."
+        "evaluation alike; without it a local checkpoint whose config.json or tokenizer_config.json has an "
+        "`auto_map` is refused before the run. A worker's policy may forbid it (deployments/README.md)."
     )
 
 
@@ -82,6 +83,12 @@ class DataConfig(Section):
         "resolves to, so the cache key changes when the dataset does."
     )
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of rows held out for evaluation.")
+    held_out_fold_digits: bool = Field(
+        False, description="How a held-out row that copies a training prompt is found (such rows are removed and "
+        "counted). false: the prompts are equal once case and whitespace are folded; numbers count, so `What is 17 "
+        "+ 25?` and `What is 18 + 25?` are two prompts. true: runs of digits are folded too (`Order 123 is late` "
+        "copies `order 9 is late`), for templated data whose prompts differ only in ids, dates or amounts."
+    )
     max_length: int = Field(512, ge=16, description="Tokens per example; longer examples are truncated.")
     max_samples: int | None = Field(None, ge=1, description="Use at most this many rows (after shuffling).")
     builtin_examples: int = Field(1200, ge=20, description="Rows generated for `builtin:` datasets.")

@@ -3,7 +3,8 @@
 Rows may be instruction/response pairs, chat `messages`, or plain text. The tokenizer's chat template is
 applied where it has one; prompt tokens get label -100 so only the answer is learned; BOS and EOS are added
 as the tokenizer defines them, templated or not. Held-out rows whose prompt also appears in training (exactly,
-or after folding case, digits and whitespace) are removed, and the count is reported. The result is a store
+or after folding case and whitespace, and digits where `data.held_out_fold_digits` says so) are removed, and the
+count is reported. The result is a store
 entry keyed on the data content, the tokenizer files, the data settings, library versions and code.
 """
 
@@ -23,7 +24,7 @@ from tasks.demo_data import BUILTIN_DATASETS
 from tasks.errors import DataError, retry_unless_user_error
 from tasks.fingerprint import combine, hash_bytes_of, hash_tree, step_versions
 from tasks.launcher import run_logger
-from tasks.store import Entry, reuse_or_produce, step_state
+from tasks.store import MANIFEST, Entry, reuse_or_produce, step_state
 from tasks.steps import step
 
 IGNORE_INDEX = -100
@@ -45,7 +46,14 @@ class PreparedDataset(BaseModel):
     truncated: int
     dropped: int
     eval_removed_exact: int = 0  # held-out rows dropped because training has the same prompt
-    eval_removed_normalized: int = 0  # ... the same prompt once case, digits and whitespace are folded
+    eval_removed_normalized: int = 0  # ... the same prompt once `folded` is folded
+    folded: str = "case and whitespace"  # what the second count folded (fold_description)
+
+    def removed_note(self) -> str:
+        """How many held-out rows were removed, and why: for the log, the eval artifacts and the run summary."""
+        return (f"{self.eval_removed_exact + self.eval_removed_normalized} held-out row(s) removed as copies of "
+                f"training prompts ({self.eval_removed_exact} exact, {self.eval_removed_normalized} after folding "
+                f"{self.folded})")
 
 
 # ---------------------------------------------------------------- reading
@@ -93,6 +101,11 @@ def read_rows(source: str, cfg: DataConfig) -> list[dict[str, Any]]:
     raise DataError(f"{path}: unsupported file type {suffix or '(none)'}; use .jsonl, .json, .csv or .parquet")
 
 
+def json_problem(exc: json.JSONDecodeError) -> str:
+    """The decoder's message followed by `at `: some messages already end with it (`Invalid control character at`)."""
+    return exc.msg.removesuffix(" at") + " at "
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
     with open(path, encoding="utf-8") as f:
@@ -102,7 +115,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path} line {lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                raise DataError(f"{path} line {lineno}: not valid JSON ({json_problem(exc)}column {exc.colno})") \
+                    from None
             if not isinstance(row, dict):
                 raise DataError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
             row["__row__"] = f"line {lineno}"
@@ -114,7 +128,7 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+        raise DataError(f"{path}: not valid JSON ({json_problem(exc)}line {exc.lineno}, column {exc.colno})") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
@@ -306,21 +320,27 @@ def prompt_text(example: list[dict[str, str]] | str) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in example[:last])
 
 
-def fold(text: str) -> str:
-    """Case, digit runs and whitespace folded: `Order 123  late` and `order 9 late` are the same prompt."""
-    return re.sub(r"\s+", " ", re.sub(r"\d+", "0", text.casefold())).strip()
+def fold(text: str, digits: bool = False) -> str:
+    """Case and whitespace folded (`Order 12  late` is `order 12 late`); with `digits`, runs of digits too (then
+    `order 9 late` is the same prompt)."""
+    text = text.casefold()
+    return re.sub(r"\s+", " ", re.sub(r"\d+", "0", text) if digits else text).strip()
 
 
-def held_out(train: list, evaluation: list) -> tuple[list, int, int]:
+def fold_description(digits: bool) -> str:
+    return "case, digits and whitespace" if digits else "case and whitespace"
+
+
+def held_out(train: list, evaluation: list, digits: bool = False) -> tuple[list, int, int]:
     """Eval examples whose prompt is not in training; (kept, removed exactly, removed after folding)."""
     exact = {prompt_text(ex) for ex in train}
-    folded = {fold(p) for p in exact}
+    folded = {fold(p, digits) for p in exact}
     kept, removed_exact, removed_folded = [], 0, 0
     for ex in evaluation:
         p = prompt_text(ex)
         if p in exact:
             removed_exact += 1
-        elif fold(p) in folded:
+        elif fold(p, digits) in folded:
             removed_folded += 1
         else:
             kept.append(ex)
@@ -328,6 +348,35 @@ def held_out(train: list, evaluation: list) -> tuple[list, int, int]:
 
 
 # ---------------------------------------------------------------- the step
+
+
+def split(d: DataConfig, examples: list, eval_examples: list | None) -> tuple[list, list, int, int]:
+    """(train, held out, removed exactly, removed after folding): the rows shuffled with data.seed and capped at
+    data.max_samples, eval_fraction split off (or the eval_source rows taken), copies of training prompts removed.
+    The checks before the run call it too, so a split that leaves nothing stops the run before a server starts."""
+    examples = list(examples)
+    random.Random(d.seed).shuffle(examples)
+    if d.max_samples:
+        examples = examples[: d.max_samples]
+    if eval_examples is None:
+        n_eval = max(1, round(len(examples) * d.eval_fraction))
+        if len(examples) - n_eval < 1:
+            capped = f", data.max_samples={d.max_samples}" if d.max_samples else ""
+            raise DataError(f"{d.source}: {len(examples)} row(s) is too few to hold {n_eval} out for evaluation "
+                            f"and train on the rest (data.eval_fraction={d.eval_fraction}{capped}); add rows, lower "
+                            "data.eval_fraction or set data.eval_source")
+        train_examples, eval_examples = examples[n_eval:], examples[:n_eval]
+    else:
+        train_examples = examples
+    kept, removed_exact, removed_folded = held_out(train_examples, eval_examples, d.held_out_fold_digits)
+    if not kept:
+        fix = ("hold out rows whose prompts differ from the training ones" if d.eval_source
+               else "use a separate data.eval_source")
+        raise DataError(f"{d.eval_source or d.source}: every held-out example's prompt also appears in training "
+                        f"(exactly or after folding {fold_description(d.held_out_fold_digits)}, "
+                        f"data.held_out_fold_digits={str(d.held_out_fold_digits).lower()}): nothing is left to "
+                        f"evaluate honestly; {fix}")
+    return train_examples, kept, removed_exact, removed_folded
 
 
 def data_key_parts(cfg: FinetuneConfig, tokenizer_dir: Path) -> dict[str, Any]:
@@ -340,7 +389,9 @@ def data_key_parts(cfg: FinetuneConfig, tokenizer_dir: Path) -> dict[str, Any]:
             content.append(hash_bytes_of([p]))
         else:  # builtin: the generator's code is in the key; hub: the pinned revision
             content.append(f"{source}@{d.hub_revision}" if source.startswith("hub:") else source)
-    return {"data": content, "tokenizer": hash_tree(tokenizer_dir, (".json", ".jinja", ".model", ".txt")),
+    # the tokenizer's files, not the store's manifest of them (it holds the time the entry was written)
+    tokenizer = hash_tree(tokenizer_dir, (".json", ".jinja", ".model", ".txt"), exclude=(MANIFEST,))
+    return {"data": content, "tokenizer": tokenizer,
             "settings": d.model_dump(mode="json"), **step_versions("prepare-dataset")}
 
 
@@ -356,25 +407,12 @@ def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> Prepar
 
     d = cfg.data
     fmt, examples = normalize(read_rows(d.source, d), d, d.source)
-    rng = random.Random(d.seed)
-    rng.shuffle(examples)
-    if d.max_samples:
-        examples = examples[: d.max_samples]
+    eval_examples = None
     if d.eval_source:
         eval_fmt, eval_examples = normalize(read_rows(d.eval_source, d), d, d.eval_source)
         if eval_fmt != fmt:
             raise DataError(f"{d.eval_source} is {eval_fmt} format but {d.source} is {fmt}")
-        train_examples = examples
-    else:
-        n_eval = max(1, round(len(examples) * d.eval_fraction))
-        if len(examples) - n_eval < 1:
-            raise DataError(f"{d.source}: {len(examples)} row(s) is too few to hold {n_eval} out for evaluation")
-        train_examples, eval_examples = examples[n_eval:], examples[:n_eval]
-    eval_examples, removed_exact, removed_folded = held_out(train_examples, eval_examples)
-    if not eval_examples:
-        raise DataError(f"{d.eval_source or d.source}: every held-out example's prompt also appears in training "
-                        "(exactly or after folding case, digits and whitespace): nothing is left to evaluate "
-                        "honestly; use a separate data.eval_source")
+    train_examples, eval_examples, removed_exact, removed_folded = split(d, examples, eval_examples)
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=cfg.model.trust_remote_code)
     stats = {"truncated": 0, "dropped": 0, "train_tokens": 0}
@@ -411,7 +449,8 @@ def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> Prepar
                              train_rows=len(train["input_ids"]), eval_rows=len(evaluation["input_ids"]),
                              train_tokens=stats["train_tokens"], truncated=stats["truncated"],
                              dropped=stats["dropped"], eval_removed_exact=removed_exact,
-                             eval_removed_normalized=removed_folded)
+                             eval_removed_normalized=removed_folded,
+                             folded=fold_description(d.held_out_fold_digits))
     (out / "stats.json").write_text(result.model_dump_json(indent=2))
     return result
 
@@ -423,12 +462,9 @@ def prepare_dataset(cfg: FinetuneConfig, tokenizer_dir: Path):
     entry = Entry(cfg.cache_root, "datasets", data_fingerprint(cfg, tokenizer_dir))
     result, reused = reuse_or_produce(entry, PreparedDataset, lambda: build_dataset(cfg, tokenizer_dir, entry.path),
                                       OUTPUTS)
-    run_logger().info("dataset: %s format, %d train / %d eval rows (%d held-out rows removed as copies of training "
-                      "prompts: %d exact, %d after folding case/digits/whitespace), %d train tokens, %d truncated, "
-                      "%d dropped -> %s", result.format, result.train_rows, result.eval_rows,
-                      result.eval_removed_exact + result.eval_removed_normalized, result.eval_removed_exact,
-                      result.eval_removed_normalized, result.train_tokens, result.truncated, result.dropped,
-                      result.path)
+    run_logger().info("dataset: %s format, %d train / %d eval rows (%s), %d train tokens, %d truncated, "
+                      "%d dropped -> %s", result.format, result.train_rows, result.eval_rows, result.removed_note(),
+                      result.train_tokens, result.truncated, result.dropped, result.path)
     return step_state(result, reused, entry)
 
 

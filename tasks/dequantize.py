@@ -116,7 +116,7 @@ def dequantized_copy(base: QuantizedModel, cache_root: Path, device: str = "cpu"
     layers = dequantize_model(model, offload_to_cpu=device_type != "cpu")
     with atomic_dir(final) as tmp:
         model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(base.path).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(base.path, trust_remote_code=trust_remote_code).save_pretrained(tmp)
         (tmp / RECORD).write_text(json.dumps(dict(
             source=str(base.path), base_fingerprint=base.fingerprint, dtype=base.compute_dtype, device=device_type,
             linear_layers=layers, seconds=round(time.perf_counter() - started, 2)), indent=2))

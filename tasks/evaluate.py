@@ -65,6 +65,7 @@ class EvalReport(BaseModel):
     predictions: dict[str, list[str]] = {}  # model ("base"/"adapter"/"merged") -> greedy answer per reference
     rates: dict[str, dict[str, float]] = {}  # model -> metric -> share of answers (every metric, not just the headline)
     held_out_removed: int = 0  # held-out rows dropped because their prompt is in training (exact or folded)
+    held_out_note: str = ""  # how many were dropped and why (PreparedDataset.removed_note)
     explanation: str = ""  # what the base model's score means: format vs ability
 
     def models(self) -> list[tuple[str, str, ModelScores]]:
@@ -90,7 +91,8 @@ def with_metrics(report: EvalReport, data: PreparedDataset) -> EvalReport:
     tuned, name, _ = report.models()[1]  # the adapter's row where there is one, else the merged checkpoint's
     return report.model_copy(update={
         "rates": scores if scores["base"] else {}, "explanation": explain(scores["base"], scores[tuned], name),
-        "held_out_removed": data.eval_removed_exact + data.eval_removed_normalized})
+        "held_out_removed": data.eval_removed_exact + data.eval_removed_normalized,
+        "held_out_note": data.removed_note()})
 
 
 def _key_parts(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan,
@@ -136,13 +138,11 @@ def checkpoint_key_parts(cfg: FinetuneConfig, data: PreparedDataset, base: Quant
 def publish_eval(report: EvalReport) -> None:
     models = report.models()
     create_table_artifact(report.table(), key="eval-metrics",
-                          description=f"Held-out evaluation ({report.eval_rows} rows; {report.held_out_removed} "
-                                      "held-out rows removed as copies of training prompts), "
+                          description=f"Held-out evaluation ({report.eval_rows} rows; {report.held_out_note}), "
                                       f"{' vs '.join(name for _, name, _ in models)}. "
                                       f"Headline metric: {report.metric}. {report.explanation}")
     lines = [report.explanation, "",
-             f"{report.held_out_removed} held-out rows were removed before evaluation because their prompt is also "
-             "in the training split (exactly, or after folding case, digits and whitespace).", "",
+             f"Before evaluation, {report.held_out_note}: their prompt is also in the training split.", "",
              "| reference | " + " | ".join(key for key, _, _ in models) + " |", "|---" * (len(models) + 1) + "|"]
     lines += ["| " + " | ".join([s["reference"], *(repr(s.get(key, "").strip()[:60]) for key, _, _ in models)]) + " |"
               for s in report.samples]

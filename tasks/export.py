@@ -88,16 +88,16 @@ def _free_bytes(device) -> int:
     return info["MemAvailable"]
 
 
-def _parameter_count(base_path: Path) -> int:
+def _parameter_count(base_path: Path, trust_remote_code: bool) -> int:
     """Parameters of the full-precision model, from its config on the meta device (no weights read)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(base_path)
+    config = AutoConfig.from_pretrained(base_path, trust_remote_code=trust_remote_code)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -142,7 +142,8 @@ def _export(job: dict) -> dict:
     compute, export_dtype = torch_dtype(plan.compute_dtype), torch_dtype(cfg.export.dtype)
     started = time.perf_counter()
 
-    parameters = _parameter_count(base_path)
+    remote = cfg.model.trust_remote_code
+    parameters = _parameter_count(base_path, remote)
     # The merge happens in host memory (the GPU holds only the 4-bit model); the check then loads the merged
     # model on the device in the compute dtype.
     needs = {"host memory": (parameters * (export_dtype.itemsize + compute.itemsize) * HEADROOM,
@@ -158,9 +159,9 @@ def _export(job: dict) -> dict:
             raise EnvironmentMismatch([reason], "export")
         return {"skipped": reason}
 
-    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    tokenizer = AutoTokenizer.from_pretrained(adapter, trust_remote_code=remote)
     prompts = _check_prompts(Path(job["data"]), cfg.export.check_prompts)
-    load = dict(device_map={"": str(device)}, dtype=compute)
+    load = dict(device_map={"": str(device)}, dtype=compute, trust_remote_code=remote)
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, **load), adapter).eval()
     for module in model.modules():

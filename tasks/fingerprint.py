@@ -52,9 +52,11 @@ def hash_bytes_of(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def hash_tree(root: Path, suffixes: tuple[str, ...] | None = None) -> str:
-    """Hash every file under root (names and bytes), optionally only those with given suffixes."""
-    files = sorted(p for p in Path(root).rglob("*") if p.is_file() and (suffixes is None or p.suffix in suffixes))
+def hash_tree(root: Path, suffixes: tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()) -> str:
+    """Hash every file under root (names and bytes), optionally only those with given suffixes, less the files
+    named in `exclude`."""
+    files = sorted(p for p in Path(root).rglob("*") if p.is_file() and (suffixes is None or p.suffix in suffixes)
+                   and p.name not in exclude)
     h = hashlib.sha256()
     for p in files:
         h.update(str(p.relative_to(root)).encode())

@@ -282,8 +282,8 @@ def start_worker(step: str, argv: list[str], env: dict[str, str], logger) -> sub
     logger.info("starting %s worker: %s (CUDA_VISIBLE_DEVICES=%r)", step, " ".join(argv),
                 env.get("CUDA_VISIBLE_DEVICES"))
     return subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=cwd,
-        start_new_session=True, preexec_fn=preexec_die_with(os.getpid()),
+        argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        bufsize=1, cwd=cwd, start_new_session=True, preexec_fn=preexec_die_with(os.getpid()),
     )
 
 

@@ -55,8 +55,9 @@ def _builtin_gguf(name: str) -> tuple[Path, str]:
     return path, importlib.metadata.version(dist)
 
 
-def check_model_source(source: str) -> None:
-    """Refuse a source that cannot be a model, before anything is loaded."""
+def check_model_source(source: str, trust_remote_code: bool = False) -> None:
+    """Refuse a source that cannot be a model, before anything is loaded; a local checkpoint with its own modeling
+    or tokenizer code (an `auto_map`) only with model.trust_remote_code."""
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
         if name not in BUILTIN:
@@ -86,9 +87,24 @@ def check_model_source(source: str) -> None:
             raise ModelSourceError(f"model.source={source}: config.json has no model_type")
         if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
             raise ModelSourceError(f"model.source={source} has a config.json but no weights (*.safetensors/*.bin)")
+        if not trust_remote_code:
+            _refuse_custom_code(source, path, config)
         return
     if source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise ModelSourceError(f"model.source={source}: no such file or directory")
+
+
+def _refuse_custom_code(source: str, path: Path, config: dict) -> None:
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            settings = config if name == "config.json" else json.loads((path / name).read_text())
+        except (OSError, json.JSONDecodeError):  # no tokenizer config (or an unreadable one): nothing declared
+            continue
+        if isinstance(settings, dict) and settings.get("auto_map"):
+            raise ModelSourceError(
+                f"model.source={source}: {name} has an auto_map ({', '.join(sorted(settings['auto_map']))}), so "
+                "loading it runs the checkpoint's own Python code; set model.trust_remote_code=true if you trust "
+                "that code")
 
 
 def model_identity(source: str, revision: str | None = None) -> str:
@@ -143,11 +159,37 @@ def _materialize_generated(arch: str, out: Path) -> None:
     model.save_pretrained(out)
 
 
-def _materialize_gguf(path: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# GGUF metadata that says whether a sequence starts with BOS / ends with EOS, and the tokenizer attribute for each
+GGUF_SPECIAL_TOKENS = {"tokenizer.ggml.add_bos_token": "add_bos_token",
+                       "tokenizer.ggml.add_eos_token": "add_eos_token"}
+
+
+def gguf_tokenizer(path: Path):
+    """The GGUF's tokenizer as transformers builds it, adding BOS and EOS as the file says: transformers reads
+    neither key, so a model trained with a BOS before every sequence (Gemma's) would get none. The setting is kept
+    in the saved tokenizer.json (its post-processor)."""
+    import gguf
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    fields = gguf.GGUFReader(str(path)).fields
+    settings = {attr: bool(fields[key].parts[fields[key].data[0]][0])
+                for key, attr in GGUF_SPECIAL_TOKENS.items() if key in fields}
+    ids = tok("x", add_special_tokens=True)["input_ids"]
+    does = {"add_bos_token": tok.bos_token_id is not None and ids[0] == tok.bos_token_id,
+            "add_eos_token": tok.eos_token_id is not None and ids[-1] == tok.eos_token_id}
+    if any(does[attr] != value for attr, value in settings.items()):  # else the tokenizer is left as it is
+        for attr in does:
+            setattr(tok, attr, settings.get(attr, does[attr]))
+        tok.update_post_processor()
+    return tok
+
+
+def _materialize_gguf(path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = gguf_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
     # The loader dequantizes the GGUF tensors; drop its GGUF marker so the result saves as a plain checkpoint.
     model.hf_quantizer = None
@@ -178,7 +220,7 @@ def _materialized(entry: Entry, build) -> Path:
 def materialize_model(source: str, cache_root: Path, revision: str | None = None,
                       trust_remote_code: bool = False) -> Path:
     """Return a local checkpoint directory for the source, converting/generating it once into the cache."""
-    check_model_source(source)
+    check_model_source(source, trust_remote_code)
     path = Path(source).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -197,7 +239,7 @@ def materialize_model(source: str, cache_root: Path, revision: str | None = None
 def materialize_tokenizer(source: str, cache_root: Path, revision: str | None = None,
                           trust_remote_code: bool = False) -> Path:
     """A local directory with just the tokenizer (cheap: no weights are loaded)."""
-    check_model_source(source)
+    check_model_source(source, trust_remote_code)
     path = Path(source).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -209,7 +251,7 @@ def materialize_tokenizer(source: str, cache_root: Path, revision: str | None = 
             build_generated_tokenizer(out)
         elif source.startswith("builtin:") or path.is_file():
             gguf = _builtin_gguf(source.split(":", 1)[1])[0] if source.startswith("builtin:") else path
-            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+            gguf_tokenizer(gguf).save_pretrained(out)
         else:
             AutoTokenizer.from_pretrained(source, revision=revision,
                                           trust_remote_code=trust_remote_code).save_pretrained(out)

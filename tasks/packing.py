@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -123,21 +124,41 @@ class PackedDataset:
         return [self.rows[j] for j in self.schedule.micro_batches[i]]
 
 
-class PackedCollator:
+class TokenTally:
+    """Real tokens of the micro-batches the model has run on. The DataLoader builds a batch before training needs
+    it (accelerate fetches the next one early, to know which is last), so a collator notes each batch's tokens when
+    it builds it (`built`), and `count_on(model)` adds them to `tokens` when the model runs that batch: each step is
+    timed with its own tokens, the last one included."""
+
+    def __init__(self):
+        self.tokens = 0
+        self._built: deque[int] = deque()
+
+    def built(self, tokens: int) -> None:
+        self._built.append(tokens)
+
+    def count_on(self, model) -> None:
+        def ran(module, args) -> None:  # a forward pre-hook: one call per micro-batch, in the order they were built
+            if self._built:
+                self.tokens += self._built.popleft()
+
+        model.register_forward_pre_hook(ran)
+
+
+class PackedCollator(TokenTally):
     """One micro-batch (a list of rows) -> one packed row with position ids and varlen attention kwargs."""
 
     def __init__(self, pad_token_id: int):
-        self.pad = pad_token_id
-        self.tokens = 0  # real tokens seen (there is no padding; an empty split piece is one ignored token)
+        super().__init__()
+        self.pad = pad_token_id  # real tokens only are counted: an empty split piece is one ignored token
 
     def __call__(self, batch: list[list[dict[str, list[int]]]]) -> dict[str, Any]:
         import torch
 
         (rows,) = batch  # the DataLoader's batch size is 1: the item is already a whole micro-batch
+        self.built(sum(len(r["input_ids"]) for r in rows))
         if not rows:  # an empty piece of a split pack: one ignored token keeps every DDP rank in step
             rows = [{"input_ids": [self.pad], "labels": [IGNORE_INDEX]}]
-        else:
-            self.tokens += sum(len(r["input_ids"]) for r in rows)
         ids: list[int] = []
         labels: list[int] = []
         positions: list[int] = []

@@ -2,9 +2,10 @@
 
 The CLI runs it first, so bad input is one message and exit status 2, with no traceback and no run directory left
 behind; the flows run it again first thing, because a deployment run has no CLI. Checked: the config (every key,
-and combinations), the model source (names and files, no weights), every row of the data files (an encoding error
-names its line), the GPUs through NVML (ids, CUDA_VISIBLE_DEVICES, MIG; no torch, no CUDA context), what the
-attention backend needs from the machine, the optimizer name, the experiment trackers (installed, an MLflow
+and combinations), the model source (names and files, no weights; custom code only when trusted), every row of the
+data files (an encoding error names its line) and their split (rows to train on, held-out rows left once copies of
+training prompts are removed), the GPUs through NVML (ids, CUDA_VISIBLE_DEVICES, MIG; no torch, no CUDA context),
+what the attention backend needs from the machine, the optimizer name, the experiment trackers (installed, an MLflow
 server answering), and that the run and cache directories (and $FINETUNE_FLOWS_PROBE_DIR, where set) can be
 created. LoRA target modules need the model's module names: `check_lora_targets` builds the model on the meta
 device from its config.json (no weights) before training launches.
@@ -20,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from tasks.config import FinetuneConfig
-from tasks.dataset import normalize, read_rows
+from tasks.dataset import normalize, read_rows, split
 from tasks.errors import ConfigError, DataError, EnvironmentMismatch, UserInputError
 from tasks.gpus import choose_gpu_ids, read_inventory
 from tasks.models import check_model_source
@@ -35,7 +36,7 @@ def preflight(config: str | Path | None, overrides: list[str] | None = None) -> 
     """The validated config, or a UserInputError naming every problem found (the data's first). The worker
     host's policy (tasks/policy.py) is applied first, so a refused run reads and writes nothing."""
     cfg = checked_config(config, overrides)
-    check_model_source(cfg.model.source)
+    check_model_source(cfg.model.source, cfg.model.trust_remote_code)
     check_data(cfg)
     check_directories(cfg)
     problems = optimizer_problems(cfg) + machine_problems(cfg) + tracking_problems(cfg)
@@ -60,18 +61,21 @@ def check_utf8(path: Path) -> None:
 
 
 def check_data(cfg: FinetuneConfig) -> None:
-    """Every row of the training (and held-out) data, as the dataset step will read it."""
+    """Every row of the training (and held-out) data, as the dataset step will read it, and its split: enough rows
+    to train on and held-out rows left once the copies of training prompts are removed."""
     d = cfg.data
-    formats = {}
+    formats, examples = {}, {}
     for source in filter(None, (d.source, d.eval_source)):
         if source.startswith("hub:"):  # needs the Hub; the environment step checks that it is reachable
             continue
         path = Path(source).expanduser()
         if not source.startswith("builtin:") and path.is_file() and path.suffix.lower() != ".parquet":
             check_utf8(path)
-        formats[source], _ = normalize(read_rows(source, d), d, source)
+        formats[source], examples[source] = normalize(read_rows(source, d), d, source)
     if d.eval_source in formats and len(set(formats.values())) > 1:
         raise DataError(f"{d.eval_source} is {formats[d.eval_source]} format but {d.source} is {formats[d.source]}")
+    if d.source in examples and (d.eval_source is None or d.eval_source in examples):
+        split(d, examples[d.source], examples.get(d.eval_source) if d.eval_source else None)
 
 
 # ---------------------------------------------------------------- directories

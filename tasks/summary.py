@@ -71,6 +71,7 @@ def render_summary(r: FinetuneResult) -> str:
     return (f"# Fine-tune run {r.run_dir.name}\n\n{header}\n{rows}\n\n"
             f"- adapter: `{r.adapter_path}`\n- training: {r.train.steps} steps, loss {r.train.first_loss:.4f} -> "
             f"{r.train.final_loss:.4f}, {r.train.tokens_per_second} tokens/s, peak {r.train.peak_memory_mb} MiB\n"
+            f"- held out: {e.eval_rows} rows evaluated; {e.held_out_note}\n"
             f"- cached steps: {', '.join(r.cached_steps) or 'none'}\n"
             + (f"- step seconds: {', '.join(f'{n} {s:g}' for n, s in r.step_seconds.items())}\n"
                if r.step_seconds else "")

@@ -26,6 +26,7 @@ from tasks.environment import Plan
 from tasks.gpus import cap_process_memory
 from tasks.launcher import emit_event, worker_main
 from tasks.lifecycle import training_callback
+from tasks.packing import TokenTally
 from tasks.planner import TrainingPlan
 from tasks.quantize import torch_dtype
 from tasks import sharding
@@ -33,12 +34,12 @@ from tasks import sharding
 CHECKPOINT_MANIFEST = "finetune-flows-checkpoint.json"
 
 
-class PadCollator:
-    """Right-pad a batch; padding never counts in the loss. Counts the real tokens it has seen."""
+class PadCollator(TokenTally):
+    """Right-pad a batch; padding never counts in the loss. Counts the real tokens the model has run on."""
 
     def __init__(self, pad_token_id: int):
+        super().__init__()
         self.pad = pad_token_id
-        self.tokens = 0
 
     def __call__(self, rows: list[dict[str, list[int]]]) -> dict[str, Any]:
         import torch
@@ -52,7 +53,7 @@ class PadCollator:
             ids[i, :n] = torch.tensor(r["input_ids"])
             labels[i, :n] = torch.tensor(r["labels"])
             mask[i, :n] = 1
-        self.tokens += int(mask.sum())
+        self.built(int(mask.sum()))
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
@@ -101,11 +102,12 @@ class StepClock:
     """Per-step wall time and real tokens, with the device synchronised at each step boundary.
 
     A step during which a checkpoint was saved or the decoder layers compiled is marked, so the steady-state figure
-    can leave it out.
+    can leave it out. The collator's tally counts the tokens when `model` runs them.
     """
 
-    def __init__(self, collator, sync):
+    def __init__(self, collator: TokenTally, sync, model):
         self.collator = collator
+        collator.count_on(model)
         self.sync = sync
         self.steps: list[tuple[int, float, int, bool]] = []  # (step, seconds, tokens, excluded)
         self._t = None
@@ -138,9 +140,18 @@ def steady_state(per_step: list[tuple[int, float, int, bool]], world_tokens_fact
     windows = [steady[i:i + window] for i in range(0, len(steady) - window + 1, window)]
     rates = [sum(t for _, _, t in w) * world_tokens_factor / sum(sec for _, sec, _ in w) for w in windows]
     if not rates:
-        return {"tokens_per_second": None, "min": None, "max": None, "windows": 0, "steps": len(steady)}
+        return {"tokens_per_second": None, "min": None, "max": None, "windows": 0, "steps": len(steady),
+                "none_because": f"{len(steady)} step(s) after the {warmup}-step warm-up (checkpoint and compiling "
+                                f"steps left out), fewer than one {window}-step window"}
     return {"tokens_per_second": round(statistics.median(rates), 1), "min": round(min(rates), 1),
             "max": round(max(rates), 1), "windows": len(rates), "steps": len(steady)}
+
+
+def steady_text(steady: dict) -> str:
+    """`steady 6957.3`, or why a run has no steady-state figure."""
+    if steady["tokens_per_second"] is None:
+        return f"no steady-state figure: {steady['none_because']}"
+    return f"steady {steady['tokens_per_second']}"
 
 
 def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: float):
@@ -155,11 +166,12 @@ def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: f
         def _pace(self, args, state) -> dict:
             recent = clock.steps[-args.logging_steps:]
             seconds = sum(s for _, s, _, _ in recent)
-            rate = sum(t for _, _, t, _ in recent) * args.world_size / seconds if seconds else 0.0
+            rate = sum(t for _, _, t, _ in recent) * args.world_size / seconds if seconds else None
             elapsed = time.perf_counter() - started
             total = state.max_steps or max_steps
             eta = (total - state.global_step) * seconds / max(len(recent), 1)
-            return dict(step=state.global_step, max_steps=total, tokens_per_second=round(rate, 1),
+            return dict(step=state.global_step, max_steps=total,
+                        tokens_per_second=None if rate is None else round(rate, 1),
                         elapsed=round(elapsed, 1), eta_seconds=round(eta, 1))
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -317,7 +329,7 @@ def _train(job: dict) -> dict | None:
         load_peak_reserved = torch.cuda.max_memory_reserved() / 2**20  # loading, dequantizing, wrapping
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    clock = StepClock(collator, torch.cuda.synchronize if on_gpu else (lambda: None))
+    clock = StepClock(collator, torch.cuda.synchronize if on_gpu else (lambda: None), model)
     trainer.add_callback(_callbacks(batch_args["max_steps"], collator, clock, out, started))
     deferred = None
     if tplan.compile_layers and tplan.compile_deferred:  # after the callback that feeds the clock
@@ -416,8 +428,8 @@ def _train(job: dict) -> dict | None:
     tmp_metrics.write_text(json.dumps(result, indent=2))
     os.replace(tmp_metrics, out / "train_metrics.json")
     print(f"trained {result['steps']} steps on {world} {plan.device} rank(s): loss {result['first_loss']:.4f} -> "
-          f"{result['final_loss']:.4f}, {result['tokens_per_second']} tokens/s (steady "
-          f"{result['steady_tokens_per_second']}), peak reserved {result['peak_memory_mb']} MiB", flush=True)
+          f"{result['final_loss']:.4f}, {result['tokens_per_second']} tokens/s ({steady_text(steady)}), peak "
+          f"reserved {result['peak_memory_mb']} MiB", flush=True)
     return result
 
 

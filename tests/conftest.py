@@ -71,6 +71,83 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{seconds:8.1f}s  {name}")
 
 
+CUSTOM_CODE = {
+    "configuration_custom.py": "from transformers import LlamaConfig\n\n\nclass CustomConfig(LlamaConfig):\n"
+                               "    model_type = 'custom-llama'\n",
+    "modeling_custom.py": "from transformers import LlamaForCausalLM\n\nfrom .configuration_custom import CustomConfig"
+                          "\n\n\nclass CustomModel(LlamaForCausalLM):\n    config_class = CustomConfig\n",
+    "tokenization_custom.py": "from transformers import PreTrainedTokenizerFast\n\n\n"
+                              "class CustomTokenizerFast(PreTrainedTokenizerFast):\n    pass\n",
+}
+
+
+def custom_code_checkpoint(out: Path) -> Path:
+    """A tiny checkpoint whose config and tokenizer name their own Python code (auto_map), as a model with custom
+    modeling code on the Hub does: transformers loads it only with trust_remote_code=True and otherwise asks."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.models import build_generated_tokenizer
+
+    build_generated_tokenizer(out)
+    LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(out)
+    for name, code in CUSTOM_CODE.items():
+        (out / name).write_text(code)
+    for name, update in (("config.json", {"model_type": "custom-llama", "auto_map": {
+                             "AutoConfig": "configuration_custom.CustomConfig",
+                             "AutoModelForCausalLM": "modeling_custom.CustomModel"}}),
+                         ("tokenizer_config.json", {"tokenizer_class": "CustomTokenizerFast", "auto_map": {
+                             "AutoTokenizer": [None, "tokenization_custom.CustomTokenizerFast"]}})):
+        (out / name).write_text(json.dumps({**json.loads((out / name).read_text()), **update}))
+    return out
+
+
+def tiny_gguf(path: Path, add_bos: bool | None = True, add_eos: bool | None = None) -> Path:
+    """A tiny llama GGUF (random weights, a sentencepiece-style vocabulary of letters) written with the `gguf`
+    package, with `tokenizer.ggml.add_bos_token` / `add_eos_token` set as given (None: left out)."""
+    import gguf
+    import numpy as np
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = ["<unk>", "<s>", "</s>", "\u2581", *letters, *("\u2581" + letter for letter in letters)]
+    vocab, width, ffn = len(tokens), 16, 32
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(width)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_rope_dimension_count(width // 2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(vocab)])
+    writer.add_token_types([2, 3, 3] + [1] * (vocab - 3))  # unknown, control (BOS, EOS), normal
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        writer.add_add_eos_token(add_eos)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, width), "output_norm.weight": (width,), "output.weight": (vocab, width),
+              "blk.0.attn_norm.weight": (width,), "blk.0.ffn_norm.weight": (width,),
+              **{f"blk.0.attn_{n}.weight": (width, width) for n in ("q", "k", "v", "output")},
+              "blk.0.ffn_gate.weight": (ffn, width), "blk.0.ffn_up.weight": (ffn, width),
+              "blk.0.ffn_down.weight": (width, ffn)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def load_benchmark(name: str):
     """benchmarks/<name>.py (a script, not a package module) loaded as a module."""
     import importlib.util

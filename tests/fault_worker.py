@@ -25,7 +25,8 @@ def _run(job: dict) -> dict | None:
         return {"ok": True, "rank": os.environ.get("RANK")}
     if do == "describe":  # what the worker got: tests/test_lifecycle.py compares fresh and forked workers
         return {"pid": os.getpid(), "ppid": os.getppid(), "session": os.getsid(0), "cwd": os.getcwd(),
-                "argv": sys.argv, "env": {k: os.environ.get(k) for k in job["keys"]}, "torch": "torch" in sys.modules}
+                "argv": sys.argv, "env": {k: os.environ.get(k) for k in job["keys"]}, "torch": "torch" in sys.modules,
+                "stdin": os.readlink("/proc/self/fd/0")}
     if do == "exit":
         sys.stdout.flush()
         os._exit(int(job["code"]))

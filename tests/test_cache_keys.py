@@ -152,6 +152,23 @@ def test_prepare_dataset_row(tmp_path, tokenizer_dir, monkeypatch):
     keys.assert_library_and_code_in_key(monkeypatch, "prepare-dataset", tmp_path, cfg)
 
 
+def test_a_tokenizer_rebuilt_byte_for_byte_later_keeps_the_dataset_and_adapter_keys(tmp_path):
+    """The key holds the tokenizer's files, not the store's manifest of them (which records when it was written)."""
+    import time
+
+    cfg = load_config(None)
+    first = materialize_tokenizer("generated:tiny-llama", tmp_path)
+    files = {p.name: p.read_bytes() for p in first.iterdir() if p.name != "manifest.json"}
+    key = data_fingerprint(cfg, first)
+    created = (first / "manifest.json").read_text()
+    shutil.rmtree(first)
+    time.sleep(1.1)  # the manifest's time has a resolution of one second
+    again = materialize_tokenizer("generated:tiny-llama", tmp_path)
+    assert again == first and (again / "manifest.json").read_text() != created
+    assert {p.name: p.read_bytes() for p in again.iterdir() if p.name != "manifest.json"} == files
+    assert data_fingerprint(cfg, again) == key  # so the dataset, and the adapter trained on it, stay cached
+
+
 def test_quantize_base_model_row(tmp_path, monkeypatch):
     row = readme_row("quantize-base-model")
     for named in ("`model.source`", "`model.revision`", "`model.trust_remote_code`", "`quantization.*`",

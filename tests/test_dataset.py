@@ -57,6 +57,20 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
         read_rows(str(path), cfg_for(path, tmp_path).data)
 
 
+def test_a_json_error_reads_as_one_sentence(tmp_path):
+    """Some decoder messages end with `at` already (`Invalid control character at`): never `at at column`."""
+    path = tmp_path / "tab.jsonl"
+    path.write_text('{"prompt": "a\tb", "response": "c"}\n')
+    with pytest.raises(DataError) as info:
+        read_rows(str(path), cfg_for(path, tmp_path).data)
+    assert str(info.value).endswith("tab.jsonl line 1: not valid JSON (Invalid control character at column 14)")
+    path = tmp_path / "open.json"
+    path.write_text('[{"prompt": "a}]')
+    with pytest.raises(DataError) as info:
+        read_rows(str(path), cfg_for(path, tmp_path).data)
+    assert str(info.value).endswith("open.json: not valid JSON (Unterminated string starting at line 1, column 13)")
+
+
 def test_bad_rows_are_listed_with_their_lines(tmp_path):
     path = tmp_path / "rows.jsonl"
     rows = [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": ""}, {"prompt": 3, "response": "d"}]

@@ -133,3 +133,20 @@ def test_dequantizing_in_place_frees_the_4bit_layers_before_it_returns(base):
     weights = [weakref.ref(m.weight) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert layers and dequantize_model(model) == len(layers)
     assert not [r for r in layers + weights if r() is not None]
+
+
+def test_a_trusted_custom_code_checkpoint_gets_its_evaluation_copy_without_a_question(tmp_path, capfd):
+    """model.trust_remote_code reaches every load of the copy (the tokenizer's too): transformers neither asks "Do
+    you wish to run the custom code? [y/N]" nor refuses."""
+    from conftest import custom_code_checkpoint
+    from tasks.export import _parameter_count
+    from tasks.quantize import QuantizedModel
+
+    checkpoint = custom_code_checkpoint(tmp_path / "custom")
+    base = QuantizedModel(path=checkpoint, fingerprint="custom", load_in_4bit=True, compute_dtype="float32",
+                          memory_footprint_mb=0.0, linear4bit_layers=0, quantize_seconds=0.0)
+    copy = dequantized_copy(base, tmp_path / "cache", "cpu", trust_remote_code=True)
+    assert (copy / RECORD).is_file() and (copy / "tokenizer_config.json").is_file()
+    assert _parameter_count(checkpoint, trust_remote_code=True) > 0  # the merge step's size check
+    out = capfd.readouterr()
+    assert "Do you wish to run the custom code" not in out.out + out.err

@@ -123,3 +123,48 @@ def test_four_identical_runs_started_at_once_train_once_and_all_finish(prefect_s
     assert len(adapters) == 1
     cached = [json.loads((d / "summary.json").read_text())["cached_steps"] for d in run_dirs]
     assert sorted("train-adapter" in c for c in cached) == [False, True, True, True], cached
+
+
+@pytest.mark.parametrize("planted", ["optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"])
+def test_a_pickle_planted_in_a_checkpoint_is_never_executed_on_resume(tmp_path, planted):
+    """A resume (transformers' Trainer, as the training worker resumes) reads the adapter's safetensors and
+    trainer_state.json, and optimizer.pt, scheduler.pt and rng_state.pth through torch.load(weights_only=True),
+    which refuses anything but tensors and plain containers; training_args.bin is written, never read. A
+    payload planted in any of them does not run: the resume stops on it, or never reads it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from tests.test_packing import random_rows, tiny_qwen3
+
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    def trainer(steps: int) -> Trainer:
+        torch.manual_seed(0)
+        model = get_peft_model(tiny_qwen3(2).train(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                               task_type="CAUSAL_LM"))
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=1, max_steps=steps,
+                                 use_cpu=True, report_to=[], save_strategy="steps", save_steps=2, disable_tqdm=True,
+                                 remove_unused_columns=False)
+        rows = random_rows([9, 12, 7, 10])
+        collate = lambda batch: {k: torch.tensor([batch[0][k]]) for k in ("input_ids", "labels")}  # noqa: E731
+        return Trainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+
+    trainer(2).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / planted).is_file()
+    torch.save(Payload(), checkpoint / planted)
+    resumed = trainer(4)
+    if planted == "training_args.bin":
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+        assert resumed.state.global_step == 4
+    else:
+        with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+            resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert not marker.exists()
+    torch.load(checkpoint / planted, weights_only=False)  # the payload is live: fully unpickled, it runs
+    assert marker.exists()

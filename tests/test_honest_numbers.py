@@ -14,8 +14,10 @@ from conftest import tiny_overrides
 from tasks.config import load_config
 from tasks.dataset import IGNORE_INDEX, build_dataset, fold, prompt_and_reference, prompt_text, tokenize_example
 from tasks.demo_data import ticket_triage
+from tasks.errors import DataError
 from tasks.metrics import explain, rates, score_answer
 from tasks.models import CHATML, build_generated_tokenizer
+from tasks.summary import render_summary
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "yo"}]
@@ -26,7 +28,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 def test_the_demo_generator_never_repeats_a_prompt_so_its_eval_split_has_zero_overlap():
     examples = ticket_triage(1000, seed=42)  # configs/demo.yaml: builtin_examples 1000, data.seed 42
-    folded = [fold(ex["system"] + ex["prompt"]) for ex in examples]
+    folded = [fold(ex["system"] + ex["prompt"], digits=True) for ex in examples]
     assert len(set(folded)) == len(folded)  # distinct even with case, digits and whitespace folded: any split is clean
     with pytest.raises(Exception, match="distinct tickets"):
         ticket_triage(5000)
@@ -40,27 +42,50 @@ def test_demo_dataset_reports_nothing_removed(tmp_path, shared_cache):
     assert (result.eval_removed_exact, result.eval_removed_normalized, result.eval_rows) == (0, 0, 100)
 
 
-def test_held_out_rows_copying_training_prompts_are_removed_and_counted(tmp_path, shared_cache):
+def held_out_build(tmp_path, shared_cache, train: list[dict], held: list[dict], *overrides: str):
     from tasks.models import materialize_tokenizer
 
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in train))
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in held))
+    cfg = load_config(None, [f"data.source={tmp_path / 'train.jsonl'}", f"data.eval_source={tmp_path / 'eval.jsonl'}",
+                             *overrides])
+    return build_dataset(cfg, materialize_tokenizer("generated:tiny-llama", shared_cache), tmp_path / "d")
+
+
+def test_held_out_rows_copying_training_prompts_are_removed_and_counted(tmp_path, shared_cache):
     train = [{"prompt": f"Order {w} is late", "response": "shipping"} for w in ("alpha", "beta", "gamma", "delta")]
     train += [{"prompt": "Invoice 1234 is wrong", "response": "billing"}]
     held = [{"prompt": "Order alpha is late", "response": "shipping"},  # exact copy
-            {"prompt": "invoice  98 IS wrong", "response": "billing"},  # same once case, digits, spaces are folded
+            {"prompt": "invoice  1234 IS wrong", "response": "billing"},  # same once case and spaces are folded
+            {"prompt": "Invoice 98 is wrong", "response": "billing"},  # another number: another prompt
             {"prompt": "My password expired", "response": "account"}]  # really held out
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in train))
-    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in held))
-    cfg = load_config(None, [f"data.source={tmp_path / 'train.jsonl'}", f"data.eval_source={tmp_path / 'eval.jsonl'}"])
-    result = build_dataset(cfg, materialize_tokenizer("generated:tiny-llama", shared_cache), tmp_path / "d")
-    assert (result.eval_removed_exact, result.eval_removed_normalized, result.eval_rows) == (1, 1, 1)
+    result = held_out_build(tmp_path, shared_cache, train, held)
+    assert (result.eval_removed_exact, result.eval_removed_normalized, result.eval_rows) == (1, 1, 2)
+    assert result.removed_note() == ("2 held-out row(s) removed as copies of training prompts (1 exact, 1 after "
+                                     "folding case and whitespace)")
     lines = (tmp_path / "d" / "eval_prompts.jsonl").read_text().splitlines()
-    (prompt,) = [json.loads(line)["prompt"] for line in lines]
-    assert "My password expired" in prompt
+    prompts = [json.loads(line)["prompt"] for line in lines]
+    assert len(prompts) == 2 and "Invoice 98 is wrong" in prompts[0] and "My password expired" in prompts[1]
+
+    folded = held_out_build(tmp_path, shared_cache, train, held, "data.held_out_fold_digits=true")
+    assert (folded.eval_removed_exact, folded.eval_removed_normalized, folded.eval_rows) == (1, 2, 1)
+    assert folded.removed_note().endswith("(1 exact, 2 after folding case, digits and whitespace)")
+
+
+def test_prompts_that_differ_only_in_numbers_are_not_copies(tmp_path, shared_cache):
+    """An arithmetic task: every prompt has the same words, other numbers. None is a copy of another."""
+    rows = [{"prompt": f"What is {a} + {b}?", "response": str(a + b)} for a in range(11, 17) for b in range(3, 8)]
+    result = held_out_build(tmp_path, shared_cache, rows[:20], rows[20:])
+    assert (result.eval_removed_exact, result.eval_removed_normalized, result.eval_rows) == (0, 0, 10)
+    with pytest.raises(DataError, match=r"eval.jsonl: every held-out .* after folding case, digits and whitespace, "
+                                        r"data.held_out_fold_digits=true\): .*differ from the training ones"):
+        held_out_build(tmp_path, shared_cache, rows[:20], rows[20:], "data.held_out_fold_digits=true")
 
 
 def test_prompt_text_is_everything_before_the_last_answer():
     assert prompt_text(CHAT) == "system: Be brief.\nuser: hi"
-    assert fold("Order  123 IS\tlate ") == "order 0 is late"
+    assert fold("Order  123 IS\tlate ") == "order 123 is late"
+    assert fold("Order  123 IS\tlate ", digits=True) == "order 0 is late"
 
 
 # ---------------------------------------------------------------- metrics
@@ -134,6 +159,28 @@ def test_a_tokenizer_without_a_default_bos_gets_none(tokenizers):
     assert chatml.bos_token is None and chatml.decode(enc["input_ids"]).startswith("<|im_start|>system")
 
 
+@pytest.mark.parametrize("add_bos,add_eos", [(True, None), (False, True)])
+def test_a_gguf_models_bos_and_eos_settings_reach_training_rows_and_eval_prompts(tmp_path, add_bos, add_eos):
+    """tokenizer.ggml.add_bos_token / add_eos_token of a GGUF (Gemma-3's say add_bos_token = true), which the
+    tokenizer transformers builds from the file ignores: the dataset's tokenizer and the converted checkpoint's
+    carry them."""
+    from conftest import tiny_gguf
+    from tasks.models import materialize_model, materialize_tokenizer
+
+    path = tiny_gguf(tmp_path / "tiny.gguf", add_bos=add_bos, add_eos=add_eos)
+    example = [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "de"}]
+    for directory in (materialize_tokenizer(str(path), tmp_path / "cache"),
+                      materialize_model(str(path), tmp_path / "cache")):
+        tok = AutoTokenizer.from_pretrained(directory)
+        ids = tok("ab", add_special_tokens=True)["input_ids"]
+        assert (ids[0] == tok.bos_token_id) is add_bos and (ids[-1] == tok.eos_token_id) is bool(add_eos)
+        enc, _ = tokenize_example(tok, example, 64)
+        prompt = prompt_and_reference(tok, example)["prompt"]
+        starts = tok(prompt, add_special_tokens=False)["input_ids"][0]
+        assert (enc["input_ids"][0] == tok.bos_token_id) is add_bos and (starts == tok.bos_token_id) is add_bos
+        assert enc["input_ids"].count(tok.bos_token_id) == int(add_bos)
+
+
 # ---------------------------------------------------------------- one seed, one adapter
 
 
@@ -145,6 +192,8 @@ def test_two_cpu_runs_with_one_config_train_the_same_adapter_bytes(prefect_serve
     first = finetune(None, overrides)
     adapter = (first.adapter_path / "adapter_model.safetensors").read_bytes()
     assert first.eval.held_out_removed == 0 and "Base model: exact match" in first.eval.explanation
+    assert (f"held out: {first.eval.eval_rows} rows evaluated; 0 held-out row(s) removed as copies of training "
+            "prompts (0 exact, 0 after folding case and whitespace)") in render_summary(first)
     assert set(first.eval.rates["adapter"]) == {"exact_match", "contains"}
     shutil.rmtree(Path(first.train.output_dir))  # forget the adapter (and its checkpoints): train from scratch
 

@@ -60,6 +60,22 @@ def test_result_comes_back_and_no_records_are_left(tmp_path, cpu_env):
     assert not (tmp_path / "probe.pid").exists()
 
 
+def test_a_worker_reads_nothing_from_the_terminal(tmp_path, cpu_env):
+    """Workers get /dev/null as stdin, whatever the CLI's stdin is: nothing in a worker (transformers' "Do you wish
+    to run the custom code? [y/N]") can wait on a person or read what was typed at the CLI."""
+    read, write = os.pipe()
+    saved = os.dup(0)
+    os.dup2(read, 0)  # the orchestrator's stdin: a pipe, as a terminal would be, not /dev/null
+    try:
+        job = write_job(tmp_path, "probe", do="describe", keys=[])
+        got = run_worker("probe", python_module("tests.fault_worker", job), cpu_env, tmp_path)
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, read, write):
+            os.close(fd)
+    assert got["stdin"] == "/dev/null"
+
+
 def test_a_forked_worker_gets_what_a_fresh_one_gets_and_its_exit_status(tmp_path, monkeypatch, caplog):
     """Same environment (the step's, not the server's), working directory, arguments and a session of its own; one
     server serves jobs that differ only in variables read at run time, another environment gets its own; exit

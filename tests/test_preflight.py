@@ -55,6 +55,56 @@ def test_cli_names_the_line_of_a_row_that_is_not_utf8(tmp_path):
     assert_one_message_before_any_server(done, tmp_path, f"{data} line 2: not UTF-8 text (byte 0xe9 at column 16)")
 
 
+SPLITS = {  # rows of the training file, of the held-out file (None: split off), overrides -> the message
+    "too few rows": (["a"], None, [], "train.jsonl: 1 row(s) is too few to hold 1 out for evaluation and train on "
+                     "the rest (data.eval_fraction=0.1)"),
+    "a fraction that leaves no training row": (
+        ["a", "b", "c", "d"], None, ["data.eval_fraction=0.9"],
+        "train.jsonl: 4 row(s) is too few to hold 4 out for evaluation and train on the rest "
+        "(data.eval_fraction=0.9)"),
+    "no held-out row left": (["a", "b"], ["A", " b "], [], "eval.jsonl: every held-out example's prompt also appears "
+                             "in training (exactly or after folding case and whitespace, data.held_out_fold_digits="
+                             "false)"),
+}
+
+
+@pytest.mark.parametrize("case", SPLITS)
+def test_cli_refuses_a_split_that_leaves_nothing_before_any_server(tmp_path, case):
+    train, held, overrides, message = SPLITS[case]
+    args = []
+    for name, prompts in (("train", train), ("eval", held)):
+        if prompts is not None:
+            rows = "".join(f'{{"prompt": "{p}", "response": "r"}}\n' for p in prompts)
+            (tmp_path / f"{name}.jsonl").write_text(rows)
+            args += ["--set", f"data.{'source' if name == 'train' else 'eval_source'}={tmp_path / f'{name}.jsonl'}"]
+    for override in overrides:
+        args += ["--set", override]
+    done = cli(tmp_path, *args)
+    assert_one_message_before_any_server(done, tmp_path, message)
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_cli_refuses_a_checkpoint_with_its_own_code_unless_trusted(tmp_path):
+    """config.json's auto_map means loading runs the checkpoint's Python code: refused in one line naming the key,
+    before anything loads (the weights here are not even a model)."""
+    import json
+
+    model = tmp_path / "custom"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "custom-llama", "auto_map": {
+        "AutoConfig": "configuration_custom.CustomConfig", "AutoModelForCausalLM": "modeling_custom.CustomModel"}}))
+    (model / "model.safetensors").write_bytes(b"never read")
+    done = cli(tmp_path, "--set", f"model.source={model}")
+    assert_one_message_before_any_server(
+        done, tmp_path, f"model.source={model}: config.json has an auto_map (AutoConfig, AutoModelForCausalLM), so "
+        "loading it runs the checkpoint's own Python code; set model.trust_remote_code=true if you trust that code")
+    assert done.stderr.count("\n") == 1, done.stderr
+    # trusted, the same directory passes this check (and the next one finds what is wrong with it)
+    from tasks.models import check_model_source
+
+    check_model_source(str(model), trust_remote_code=True)
+
+
 def test_cli_names_the_yaml_file_and_line(tmp_path):
     config = tmp_path / "broken.yaml"
     config.write_text("train:\n  max_steps: 5\n  learning_rate: [1e-4\n")

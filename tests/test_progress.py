@@ -194,3 +194,51 @@ def test_a_missing_device_limit_is_said_once_at_info_level(prefect_server, caplo
                 pass
     said = [r for r in caplog.records if "no concurrency limit named" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.INFO], [r.getMessage() for r in said]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_every_step_is_timed_with_its_own_tokens_the_last_one_included(tmp_path, capsys, packing):
+    """The DataLoader builds a batch ahead of training: counted when built, the first step got two batches' tokens
+    and the last none ("0.0 tokens/s"). A real Trainer on the CPU, both collators, gradient accumulation 2."""
+    import json
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from tasks.launcher import EVENT_PREFIX
+    from tasks.packing import PackedCollator
+    from tasks.train_worker import PadCollator, StepClock, _callbacks, steady_state, steady_text
+    from tests.test_packing import random_rows, tiny_qwen3
+
+    steps, accumulation = 4, 2
+    model = get_peft_model(tiny_qwen3(2).train(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           task_type="CAUSAL_LM"))
+    if packing:
+        batches = [random_rows([5 + i, 11, 7 + 2 * i], seed=i) for i in range(steps * accumulation)]
+        data, collator, per_batch = batches, PackedCollator(0), [sum(len(r["input_ids"]) for r in b) for b in batches]
+    else:
+        data = random_rows([4 + 3 * i for i in range(2 * steps * accumulation)])
+        collator = PadCollator(0)
+        per_batch = [len(a["input_ids"]) + len(b["input_ids"]) for a, b in zip(data[::2], data[1::2])]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=1 if packing else 2,
+                             gradient_accumulation_steps=accumulation, max_steps=steps, use_cpu=True, report_to=[],
+                             save_strategy="no", logging_steps=1, disable_tqdm=True, remove_unused_columns=False,
+                             train_sampling_strategy="sequential")
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
+    clock = StepClock(collator, lambda: None, model)
+    trainer.add_callback(_callbacks(steps, collator, clock, tmp_path, time.perf_counter()))
+    torch.manual_seed(0)
+    trainer.train()
+    per_step = [sum(per_batch[i * accumulation:(i + 1) * accumulation]) for i in range(steps)]
+    assert [tokens for _, _, tokens, _ in clock.steps] == per_step
+    assert collator.tokens == sum(per_batch)
+    events = [json.loads(line[len(EVENT_PREFIX):]) for line in capsys.readouterr().out.splitlines()
+              if line.startswith(EVENT_PREFIX)]
+    logged = [e for e in events if e["kind"] == "train_log"]
+    assert [e["step"] for e in logged] == list(range(1, steps + 1))
+    assert all(e["tokens_per_second"] > 0 for e in logged)
+    # four steps are too few for a steady-state figure: the summary line says why instead of "steady None"
+    assert steady_text(steady_state(clock.steps, 1.0, 2)) == (
+        "no steady-state figure: 2 step(s) after the 2-step warm-up (checkpoint and compiling steps left out), "
+        "fewer than one 5-step window")
