@@ -125,3 +125,8 @@ def test_help_config_into_a_closed_pipe_exits_quietly():
     proc.stdout.close()  # before the child has even imported its modules: every write of it meets a closed pipe
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and err == "", err
+
+
+def test_docs_reference_matches_the_config_model():
+    page = (REPO / "docs" / "config-reference.md").read_text()
+    assert f"```text\n{config_reference()}\n```" in page, "regenerate docs/config-reference.md (--help-config)"
