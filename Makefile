@@ -113,8 +113,13 @@ server: setup
 	    exit 2; fi ;; esac
 	$(PREFECT) server start --host $(PREFECT_HOST) --port $(PREFECT_PORT)
 
+# The pool's base job template fixes the runs' command and environment: a run cannot set `command`, `env` or
+# `working_dir` (deployments/README.md, threat model). An existing pool gets the template too.
+POOL_TEMPLATE := deployments/process-pool-template.json
 pool: setup
-	$(PREFECT) work-pool inspect $(POOL) >/dev/null 2>&1 || $(PREFECT) work-pool create $(POOL) --type process
+	if $(PREFECT) work-pool inspect $(POOL) >/dev/null 2>&1; then \
+	  $(PREFECT) work-pool update $(POOL) --base-job-template $(POOL_TEMPLATE); \
+	else $(PREFECT) work-pool create $(POOL) --type process --base-job-template $(POOL_TEMPLATE); fi
 
 # One global concurrency limit (one slot) per GPU of this host, plus its CPU slot.
 limits: setup

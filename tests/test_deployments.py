@@ -141,7 +141,8 @@ def two_runs(stack, tmp_path_factory):
 
 def test_deploy_creates_pool_deployments_and_device_limits(stack):
     with stack.client() as client:
-        assert client.read_work_pool("finetune-gpu").type == "process"
+        pool = client.read_work_pool("finetune-gpu")
+        assert pool.type == "process"
         deps = {f"{client.read_flow(d.flow_id).name}/{d.name}": d for d in client.read_deployments()}
         limit = client.read_global_concurrency_limit_by_name(HOST_SLOT)
     assert set(deps) == {"finetune/on-demand", "finetune/nightly", "evaluate/existing-adapter"}
@@ -150,7 +151,9 @@ def test_deploy_creates_pool_deployments_and_device_limits(stack):
     assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == ("30 1 * * *", "Europe/Berlin",
                                                                                      True)
     assert nightly.parameters == {"config": "configs/nightly.yaml", "overrides": []}
-    assert nightly.job_variables["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    # the runs' environment is the pool's (its template fixes it: a run cannot set `env`)
+    assert pool.base_job_template["job_configuration"]["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert "env" not in nightly.job_variables
     assert limit.limit == 1
 
 

@@ -9,12 +9,14 @@ appears in none of its logs or artifacts.
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from tasks.demo_data import ticket_triage
-from tests.deploy_support import PrefectStack
+from tests.deploy_support import PREFECT, PrefectStack
 
 pytestmark = pytest.mark.slow
 
@@ -87,10 +89,29 @@ def runs(stack, host):
     swapped = PrefectStack.write_policy(host / "callers-policy.yaml", {
         "remote_code": True, "data_roots": [host / "data"], "output_roots": [host / "runs"],
         "cache_roots": [host / "cache"]})
-    ids["policy-swap"] = stack.deployment_run("finetune/on-demand", overrides=tiny(host, **{
-        "model.trust_remote_code": "true"}), job_variables={"env": {"FINETUNE_FLOWS_POLICY": str(swapped)}})
+    # the pool's template takes no `env` or `command`, so a caller who gets past the server's check of job
+    # variables (POST /flow_runs/ does not check them) reaches the worker with both: the command must not run
+    # and the swapped policy must be refused by the flow
+    ids["policy-swap"] = created_past_the_check(stack, "finetune/on-demand", overrides=tiny(host, **{
+        "model.trust_remote_code": "true"}), job_variables={
+            "env": {"FINETUNE_FLOWS_POLICY": str(swapped)}, "command": f"touch {host / 'marker-api'}"})
     finished = stack.wait_for(list(ids.values()), timeout=900)
     return {name: (i, finished[i]) for name, i in ids.items()}
+
+
+def created_past_the_check(stack, name: str, job_variables: dict, **params) -> str:
+    """A flow run of deployment `name` with these job variables, created through POST /flow_runs/ (which, unlike
+    `prefect deployment run`, does not check job variables against the pool's template); returns its id."""
+    import httpx
+
+    with stack.client() as client:
+        deployment = client.read_deployment_by_name(name)
+    reply = httpx.post(f"{stack.api_url}/flow_runs/", timeout=30, json={
+        "flow_id": str(deployment.flow_id), "deployment_id": str(deployment.id), "parameters": params,
+        "work_pool_name": "finetune-gpu", "work_queue_name": "default", "job_variables": job_variables,
+        "state": {"type": "SCHEDULED", "name": "Scheduled"}})
+    assert reply.status_code == 201, reply.text
+    return reply.json()["id"]
 
 
 def messages(stack, flow_run_id: str) -> str:
@@ -109,8 +130,34 @@ def test_a_run_asking_for_more_than_the_policy_is_refused_and_writes_nothing(sta
     assert sorted(p.name for p in (host / "outside").iterdir()) == ["private.jsonl"]  # nothing written outside
 
 
-def test_a_job_variable_cannot_swap_the_worker_policy(stack, runs):
+@pytest.mark.parametrize("variable, value", [
+    ("command", "touch {marker}"),
+    ("env", {"FINETUNE_FLOWS_POLICY": "{policy}"}),
+    ("working_dir", "{host}"),
+])
+def test_the_pool_refuses_a_run_that_sets_command_env_or_working_dir(stack, host, variable, value):
+    """The pool `make deploy` creates (deployments/process-pool-template.json) fixes what starts a run and its
+    environment: `prefect deployment run --job-variable` for any of them is refused before a run exists."""
+    marker = host / f"marker-{variable}"
+    fill = {"marker": marker, "policy": host / "callers-policy.yaml", "host": host}
+    value = ({k: v.format(**fill) for k, v in value.items()} if isinstance(value, dict) else value.format(**fill))
+    with stack.client() as client:
+        before = len(client.read_flow_runs())
+    argv = [PREFECT, "deployment", "run", "finetune/on-demand", "--job-variable", f"{variable}={json.dumps(value)}"]
+    result = subprocess.run(argv, env=stack.env, capture_output=True, text=True, timeout=120)
+    out = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode != 0, out
+    assert f"Error creating flow run: Validation failed. Failure reason: Additional properties are not allowed " \
+           f"('{variable}' was unexpected)" in out, out
+    with stack.client() as client:
+        assert len(client.read_flow_runs()) == before  # no run was created
+    time.sleep(3)  # a worker polls every 2 s here: nothing must start
+    assert not marker.exists()
+
+
+def test_a_job_variable_cannot_swap_the_worker_policy_or_run_a_command(stack, host, runs):
     flow_run_id, run = runs["policy-swap"]
+    assert not (host / "marker-api").exists()  # the worker started the flow, not the caller's command
     assert run.state.type.value == "FAILED", run.state.message
     text = messages(stack, flow_run_id)
     assert "the run's job variables set env FINETUNE_FLOWS_POLICY: the worker policy is the worker host's" in text, (
