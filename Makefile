@@ -118,17 +118,17 @@ pool: setup
 
 # One global concurrency limit (one slot) per GPU of this host, plus its CPU slot.
 limits: setup
-	$(PY) -m tasks.concurrency
+	$(PY) -m finetune_flows.orchestration.concurrency
 
 deploy: pool limits
 	$(PREFECT) --no-prompt deploy --all --prefect-file deployments/prefect.yaml
 
 # Flow runs execute in this checkout (the pull step in deployments/prefect.yaml reads FINETUNE_FLOWS_ROOT), under
-# this host's policy (tasks/policy.py): what runs may read, write and execute. The first `make worker` writes it
+# this host's policy (finetune_flows/runtime/policy.py): what runs may read, write and execute. The first `make worker` writes it
 # with safe defaults; edit it on the host, run parameters cannot change it.
 FINETUNE_FLOWS_POLICY ?= $(HOME)/.config/finetune-flows/worker-policy.yaml
 worker: pool limits
-	$(PY) -m tasks.policy $(FINETUNE_FLOWS_POLICY)
+	$(PY) -m finetune_flows.runtime.policy $(FINETUNE_FLOWS_POLICY)
 	FINETUNE_FLOWS_POLICY=$(FINETUNE_FLOWS_POLICY) FINETUNE_FLOWS_ROOT=$(CURDIR) \
 	  $(PREFECT) worker start --pool $(POOL) --type process --name $(POOL)-$$(hostname)
 

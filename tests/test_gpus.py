@@ -4,11 +4,11 @@ import os
 
 import pytest
 
-from tasks.config import load_config
-from tasks.environment import EnvironmentReport, report_markdown, resolve_plan
-from tasks.errors import EnvironmentMismatch
-from tasks.gpus import GpuInfo, choose_gpu_ids, restrict, select_gpus, selection_for, visible_ids
-from tasks.launcher import worker_env
+from finetune_flows.config.schema import load_config
+from finetune_flows.runtime.environment import EnvironmentReport, report_markdown, resolve_plan
+from finetune_flows.errors import EnvironmentMismatch
+from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, restrict, select_gpus, selection_for, visible_ids
+from finetune_flows.runtime.launcher import worker_env
 
 
 def gpu(i, free, name="NVIDIA H200", cc=(9, 0), total=143771):
@@ -154,10 +154,10 @@ def test_mig_devices_are_refused_by_name():
 
 
 def test_select_gpus_uses_the_probes_reading_and_never_reads_nvml_again(monkeypatch):
-    import tasks.gpus
+    import finetune_flows.runtime.gpus
 
     # the inventory changed since the probe (another job took GPU 1's memory): the plan still stands
-    monkeypatch.setattr(tasks.gpus, "read_inventory", lambda: [gpu(0, 99999), gpu(1, 10), gpu(2, 50000)])
+    monkeypatch.setattr(finetune_flows.runtime.gpus, "read_inventory", lambda: [gpu(0, 99999), gpu(1, 10), gpu(2, 50000)])
     assert select_gpus.fn("auto:1", FOUR).ids == plan_for(["hardware.gpus=auto:1"], FOUR).gpu_ids == [1]
 
 

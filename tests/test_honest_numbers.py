@@ -11,11 +11,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import tiny_overrides
-from tasks.config import load_config
-from tasks.dataset import IGNORE_INDEX, build_dataset, fold, prompt_and_reference, prompt_text, tokenize_example
-from tasks.demo_data import ticket_triage
-from tasks.metrics import explain, rates, score_answer
-from tasks.models import CHATML, build_generated_tokenizer
+from finetune_flows.config.schema import load_config
+from finetune_flows.data.dataset import (
+    IGNORE_INDEX, build_dataset, fold, prompt_and_reference, prompt_text, tokenize_example,
+)
+from finetune_flows.data.demo import ticket_triage
+from finetune_flows.evaluation.metrics import explain, rates, score_answer
+from finetune_flows.models.sources import CHATML, build_generated_tokenizer
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "yo"}]
@@ -33,7 +35,7 @@ def test_the_demo_generator_never_repeats_a_prompt_so_its_eval_split_has_zero_ov
 
 
 def test_demo_dataset_reports_nothing_removed(tmp_path, shared_cache):
-    from tasks.models import materialize_tokenizer
+    from finetune_flows.models.sources import materialize_tokenizer
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml", [f"run.cache_dir={tmp_path}"])
     result = build_dataset(cfg, materialize_tokenizer("generated:tiny-llama", shared_cache), tmp_path / "d")
@@ -41,7 +43,7 @@ def test_demo_dataset_reports_nothing_removed(tmp_path, shared_cache):
 
 
 def test_held_out_rows_copying_training_prompts_are_removed_and_counted(tmp_path, shared_cache):
-    from tasks.models import materialize_tokenizer
+    from finetune_flows.models.sources import materialize_tokenizer
 
     train = [{"prompt": f"Order {w} is late", "response": "shipping"} for w in ("alpha", "beta", "gamma", "delta")]
     train += [{"prompt": "Invoice 1234 is wrong", "response": "billing"}]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import child_env, tiny_overrides
-from tasks.progress import format_duration, progress_line
+from finetune_flows.reporting.progress import format_duration, progress_line
 
 ROOT = Path(__file__).resolve().parent.parent
 CLEAR = "\r\x1b[2K"
@@ -29,7 +29,7 @@ LIVE_LINE = re.compile(r"train +(\d+)/(\d+) \[[#.]+\] +\d+%")
 
 FEED_EVENTS = r"""
 import logging, sys
-from tasks.progress import ProgressReporter
+from finetune_flows.reporting.progress import ProgressReporter
 
 handler = logging.StreamHandler(sys.stderr)  # like Prefect's console handler on the root logger
 handler.setFormatter(logging.Formatter("%(levelname)s | %(message)s"))
@@ -177,7 +177,7 @@ def cpu_bf16() -> bool:
 def test_bitsandbytes_optional_hub_kernel_miss_is_said_as_info_with_its_reason():
     import logging
 
-    from tasks.launcher import quiet_optional_hub_kernel_warning
+    from finetune_flows.runtime.launcher import quiet_optional_hub_kernel_warning
 
     quiet_optional_hub_kernel_warning()
     logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
@@ -199,7 +199,7 @@ def test_bitsandbytes_optional_hub_kernel_miss_is_said_as_info_with_its_reason()
 def test_a_missing_device_limit_is_said_once_at_info_level(prefect_server, caplog, monkeypatch):
     import logging
 
-    import tasks.concurrency as concurrency
+    import finetune_flows.orchestration.concurrency as concurrency
 
     monkeypatch.setattr(concurrency, "_REPORTED_MISSING", set())
     with caplog.at_level(logging.INFO, logger="finetune_flows"):
