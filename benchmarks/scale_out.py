@@ -103,7 +103,7 @@ def fresh(out: Path) -> Path:
 
 def train_job(out: Path, cfg, plan, base, data: Path, tplan, label: str) -> Path:
     from finetune_flows.runtime.launcher import write_job
-    from finetune_flows.training.train import liger_setting, upcast_setting
+    from finetune_flows.config.plan import liger_setting, upcast_setting
 
     return write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
                      base=str(base.path), data=str(data), load_in_4bit=base.load_in_4bit, fingerprint=label,

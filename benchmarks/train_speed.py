@@ -366,7 +366,8 @@ class Bench:
         from finetune_flows.runtime.environment import measured_plan
         from finetune_flows.runtime.gpus import selection_for
         from finetune_flows.runtime.launcher import run_worker, torchrun_module, training_env, write_job
-        from finetune_flows.training.train import liger_setting, training_plan, upcast_setting
+        from finetune_flows.config.plan import liger_setting, upcast_setting
+        from finetune_flows.training.train import training_plan
 
         overrides, env_overrides = split_overrides(overrides)
         _, base, _, _ = self.base_model(shape)

@@ -34,6 +34,7 @@ from finetune_flows.runtime.gpus import select_gpus  # noqa: E402
 from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
 from finetune_flows.config.preflight import preflight  # noqa: E402
 from finetune_flows.models.quantize import quantize_base_model  # noqa: E402
+from finetune_flows.cli import run_cli  # noqa: E402
 
 
 @flow(name="evaluate", flow_run_name=eval_run_name, log_prints=True, persist_result=False)
@@ -67,8 +68,6 @@ def evaluate(adapter: str, config: str | None = None, overrides: list[str] | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    from finetune_flows.cli import run_cli
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", "--merged", dest="adapter", required=True, metavar="DIR",
                         help="adapter directory (runs/<run>/adapter) or merged checkpoint (runs/<run>/merged)")

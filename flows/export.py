@@ -31,6 +31,7 @@ from finetune_flows.export.model_card import (  # noqa: E402
 from finetune_flows.models.sources import check_model_source, materialize_tokenizer  # noqa: E402
 from finetune_flows.runtime.policy import check_adapter_path, checked_config  # noqa: E402
 from finetune_flows.models.quantize import quantize_base_model  # noqa: E402
+from finetune_flows.errors import UserInputError  # noqa: E402
 
 
 @flow(name="export", flow_run_name="export {adapter}", log_prints=True, persist_result=False)
@@ -53,8 +54,6 @@ def export(adapter: str, config: str | None = None, overrides: list[str] | None 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from finetune_flows.errors import UserInputError
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", required=True, help="adapter directory (runs/<run>/adapter of a fine-tune run)")
     parser.add_argument("--config", help="run config YAML (default: the adapter's runs/<run>/config.resolved.yaml)")

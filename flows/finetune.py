@@ -29,6 +29,9 @@ from finetune_flows.store.runs import create_run_dir, flow_run_name  # noqa: E40
 from finetune_flows.reporting.summary import FinetuneResult, finish_run  # noqa: E402
 from finetune_flows.reporting.tracking import log_to_mlflow  # noqa: E402
 from finetune_flows.training.train import train_adapter  # noqa: E402
+from finetune_flows.cli import run_cli  # noqa: E402
+from finetune_flows.config.schema import config_reference  # noqa: E402
+from finetune_flows.reporting.summary import print_table  # noqa: E402
 
 DEFAULT_CONFIG = "configs/demo.yaml"
 
@@ -62,10 +65,6 @@ def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from finetune_flows.cli import run_cli
-    from finetune_flows.config.schema import config_reference
-    from finetune_flows.reporting.summary import print_table
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="run config YAML (default: %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from finetune_flows.errors import DataError
-from finetune_flows.runtime.launcher import worker_main
+from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.runtime.processes import write_record
 
 

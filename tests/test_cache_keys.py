@@ -16,7 +16,7 @@ from finetune_flows.config.schema import (
     DataConfig, EvalConfig, LoraConfig, QuantizationConfig, TrainConfig, load_config,
 )
 from finetune_flows.data.dataset import PreparedDataset, data_fingerprint
-from finetune_flows.runtime.environment import Plan
+from finetune_flows.config.plan import Plan
 from finetune_flows.store.fingerprint import combine
 from finetune_flows.evaluation.evaluate import checkpoint_key_parts, eval_fingerprint
 from finetune_flows.models.sources import materialize_tokenizer

@@ -84,7 +84,7 @@ def test_training_on_the_dequantized_base_computes_the_qlora_loss_and_gradients(
     import torch
 
     from finetune_flows.config.schema import FinetuneConfig
-    from finetune_flows.runtime.environment import Plan
+    from finetune_flows.config.plan import Plan
     from finetune_flows.training.planner import TrainingPlan
     from finetune_flows.training.worker import build_model
 

@@ -14,7 +14,7 @@ import pytest
 
 from eval_support import tiny_quantized
 from finetune_flows.config.schema import load_config
-from finetune_flows.runtime.environment import Plan
+from finetune_flows.config.plan import Plan
 from finetune_flows.errors import UserInputError
 from finetune_flows.export.merge import RECORD, MergedModel, compare_logits
 from finetune_flows.runtime.launcher import python_module, run_worker, write_job

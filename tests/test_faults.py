@@ -21,7 +21,7 @@ from flows.finetune import finetune
 from finetune_flows.errors import DiskFull
 from finetune_flows.runtime.gpus import read_inventory
 from finetune_flows.runtime.lifecycle import FAULTS_ENV
-from finetune_flows.training.worker import checkpoint_is_complete
+from finetune_flows.training.checkpoints import checkpoint_is_complete
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from fault_support import device_slot, overrides, start_cli, training_in_progres
 from flows.finetune import finetune
 from finetune_flows.runtime.gpus import read_inventory
 from finetune_flows.runtime.processes import tree
-from finetune_flows.training.worker import checkpoint_is_complete
+from finetune_flows.training.checkpoints import checkpoint_is_complete
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 
 from fault_support import overrides, training_in_progress
 from finetune_flows.runtime.processes import ProcessId, parent_of, wait_gone
-from finetune_flows.training.worker import checkpoint_is_complete
+from finetune_flows.training.checkpoints import checkpoint_is_complete
 
 pytestmark = pytest.mark.slow
 

@@ -197,7 +197,7 @@ def test_the_adapter_runs_in_the_evaluation_copys_dtype_not_pefts_fp32(shared_ca
     from transformers import AutoModelForCausalLM
 
     from finetune_flows.config.schema import load_config
-    from finetune_flows.runtime.environment import Plan
+    from finetune_flows.config.plan import Plan
     from finetune_flows.evaluation.worker import _load_with_adapter
 
     cache = shared_cache / "generation-bf16"

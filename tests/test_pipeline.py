@@ -142,7 +142,7 @@ def test_four_bit_checkpoint_loads_as_bitsandbytes_layers(first_run):
 
 
 def test_resume_skips_a_checkpoint_left_half_written_or_missing_a_file(tmp_path):
-    from finetune_flows.training.worker import last_checkpoint, write_checkpoint_manifest
+    from finetune_flows.training.checkpoints import last_checkpoint, write_checkpoint_manifest
 
     ckpts = tmp_path / "checkpoints"
     for step in (5, 10, 15):

@@ -143,8 +143,8 @@ def test_dequantized_base_costs_its_bf16_weights_in_the_prediction():
 ])
 def test_dequantize_and_compile_auto(device, strategy, overrides, want):
     from finetune_flows.config.schema import load_config
-    from finetune_flows.runtime.environment import Plan
-    from finetune_flows.training.train import compile_setting, dequantize_setting
+    from finetune_flows.config.plan import Plan
+    from finetune_flows.config.plan import compile_setting, dequantize_setting
 
     cfg = load_config(None, overrides)
     plan = Plan(device=device, gpu_ids=[0] if device == "cuda" else [], nproc=1, precision="bf16",

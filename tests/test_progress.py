@@ -177,7 +177,7 @@ def cpu_bf16() -> bool:
 def test_bitsandbytes_optional_hub_kernel_miss_is_said_as_info_with_its_reason():
     import logging
 
-    from finetune_flows.runtime.launcher import quiet_optional_hub_kernel_warning
+    from finetune_flows.runtime.lifecycle import quiet_optional_hub_kernel_warning
 
     quiet_optional_hub_kernel_warning()
     logger = logging.getLogger("bitsandbytes.backends.cpu.ops")

@@ -18,7 +18,7 @@ from conftest import REPO, child_env, tiny_overrides
 from flows.finetune import finetune
 from finetune_flows.config.schema import load_config
 from finetune_flows.training.distributed import agreed_checkpoint, fingerprint_parts, torchrun_command, train_command
-from finetune_flows.runtime.environment import Plan
+from finetune_flows.config.plan import Plan
 from finetune_flows.errors import ConfigError
 from scale_support import assert_same_curve, free_port
 
@@ -96,7 +96,7 @@ def test_gpus_per_node_must_match_what_torchrun_starts_here():
 
 
 def test_resume_point_without_a_process_group_is_the_newest_complete_checkpoint(tmp_path):
-    from finetune_flows.training.worker import write_checkpoint_manifest
+    from finetune_flows.training.checkpoints import write_checkpoint_manifest
 
     for step in (5, 10, 15):
         (tmp_path / f"checkpoint-{step}").mkdir()

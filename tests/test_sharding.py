@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from finetune_flows.config.schema import load_config
-from finetune_flows.runtime.environment import Plan, resolve_plan
+from finetune_flows.config.plan import Plan
+from finetune_flows.runtime.environment import resolve_plan
 from finetune_flows.errors import ConfigError, UserInputError
 from finetune_flows.runtime.gpus import read_inventory, selection_for
 from finetune_flows.training.planner import CONTEXT_RESERVE, GIB, ModelShape, peak_bytes, plan_training

@@ -26,6 +26,7 @@ from finetune_flows.runtime.gpus import choose_gpu_ids, read_inventory
 from finetune_flows.models.sources import check_model_source
 from finetune_flows.runtime.policy import checked_config
 from finetune_flows.reporting.tracking import tracking_problems
+from finetune_flows.runtime.environment import PROBE_DIR_ENV, probe_dir
 
 FLASH_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3",
                   "flash_attention_4": "flash-attn-4"}
@@ -84,8 +85,6 @@ def _first_existing(path: Path) -> Path:
 
 
 def check_directories(cfg: FinetuneConfig) -> None:
-    from finetune_flows.runtime.environment import PROBE_DIR_ENV, probe_dir
-
     places = [("run.output_dir", Path(cfg.run.output_dir).expanduser()), ("run.cache_dir", cfg.cache_root)]
     if os.environ.get(PROBE_DIR_ENV):  # the host's directory of machine probes, where the operator set one
         places.append((PROBE_DIR_ENV, probe_dir(cfg.cache_root)))

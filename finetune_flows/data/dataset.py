@@ -22,7 +22,7 @@ from finetune_flows.config.schema import DataConfig, FinetuneConfig
 from finetune_flows.data.demo import BUILTIN_DATASETS
 from finetune_flows.errors import DataError, retry_unless_user_error
 from finetune_flows.store.fingerprint import combine, hash_bytes_of, hash_tree, step_versions
-from finetune_flows.runtime.launcher import run_logger
+from finetune_flows.logs import run_logger
 from finetune_flows.store.entries import Entry, reuse_or_produce, step_state
 from finetune_flows.orchestration.steps import step
 

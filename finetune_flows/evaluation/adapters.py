@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from finetune_flows.config.schema import FinetuneConfig, load_config
 from finetune_flows.errors import UserInputError
 from finetune_flows.evaluation.evaluate import EvalReport
-from finetune_flows.runtime.launcher import run_logger
+from finetune_flows.logs import run_logger
 from finetune_flows.runtime.policy import check_adapter_path
 from finetune_flows.reporting.plots import publish_plots
 from finetune_flows.models.quantize import QuantizedModel

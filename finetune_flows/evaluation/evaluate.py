@@ -23,11 +23,12 @@ from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.export.merge import RECORD as EXPORT_RECORD
-from finetune_flows.runtime.environment import Plan
+from finetune_flows.config.plan import Plan
 from finetune_flows.errors import retry_unless_user_error
 from finetune_flows.store.fingerprint import combine, hash_bytes_of, hash_tree, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
-from finetune_flows.runtime.launcher import compile_caches, python_module, run_logger, run_worker, write_job
+from finetune_flows.runtime.launcher import compile_caches, python_module, run_worker, write_job
+from finetune_flows.logs import run_logger
 from finetune_flows.evaluation.metrics import METRICS, explain, rates
 from finetune_flows.models.quantize import QuantizedModel
 from finetune_flows.store.entries import MANIFEST, Entry, reuse_or_produce, step_state, write_atomic

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from finetune_flows.errors import UserInputError
+from finetune_flows.data.dataset import IGNORE_INDEX
 
 ENGINES = ("auto", "static", "continuous", "generate")
 CONTINUOUS_ATTENTION = ("sdpa", "eager", "paged|eager")  # plus every flash-attention flavour
@@ -297,8 +298,6 @@ def _answer_loss(logits_at, cache, last, answers: list, width: int, positions, m
     cache (the static cache itself stays as the prompt left it)."""
     import torch
     from transformers import DynamicCache
-
-    from finetune_flows.data.dataset import IGNORE_INDEX
 
     n, device = last.shape[0], last.device
     teacher = max((len(a[0]) - 1 for a in answers if a), default=0)

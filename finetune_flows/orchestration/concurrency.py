@@ -19,7 +19,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from finetune_flows.runtime.launcher import run_logger
+from finetune_flows.logs import run_logger
+from finetune_flows.runtime.gpus import read_inventory
 
 WAIT_REPORT_SECONDS = 30.0
 MAX_WAIT_REPORT_SECONDS = 300.0
@@ -46,8 +47,6 @@ def ensure_device_limits(gpu_ids: list[int] | None = None, host: str | None = No
     `gpu_ids` defaults to the GPUs NVML reports here. Safe to run again (`make deploy`, `make worker`).
     """
     from prefect.client.orchestration import get_client
-
-    from finetune_flows.runtime.gpus import read_inventory
 
     ids = [g.index for g in read_inventory()] if gpu_ids is None else gpu_ids
     names = host_slot_names(ids, host)

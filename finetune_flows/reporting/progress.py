@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any, TextIO
 
-from finetune_flows.runtime.launcher import run_logger
+from finetune_flows.logs import run_logger
 
 LIVE = "live_progress"  # a log record carrying this attribute is drawn by the live line, not printed again
 CLEAR = "\r\x1b[2K"

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from finetune_flows.config.schema import FinetuneConfig
-from finetune_flows.runtime.environment import Plan
+from finetune_flows.config.plan import Plan
 from finetune_flows.errors import ConfigError
-from finetune_flows.runtime.launcher import run_logger
+from finetune_flows.logs import run_logger
 from finetune_flows.orchestration.steps import step
 
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",), "wandb": ("wandb",),

@@ -22,14 +22,19 @@ from pydantic import BaseModel
 from finetune_flows.models.backends import (
     BackendTiming, attention_shape, installed, measured_timings, resolve_attention,
 )
+from finetune_flows.config.plan import Plan, compile_setting
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.errors import EnvironmentMismatch, WorkerFailed
 from finetune_flows.evaluation.generation import continuous_supports
 from finetune_flows.models.kernels import check_kernels
 from finetune_flows.runtime.gpus import GpuInfo, GpuSelection, read_inventory, selection_for
-from finetune_flows.runtime.launcher import python_module, run_logger, run_worker, worker_main, write_job
+from finetune_flows.runtime.launcher import python_module, run_worker, write_job
+from finetune_flows.logs import run_logger
+from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.store.entries import write_atomic
 from finetune_flows.orchestration.steps import step
+from finetune_flows.training.distributed import plan_problems, world_size
+from finetune_flows.training.sharding import resolve_strategy
 
 STACK = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "prefect", "kernels",
          "flash-attn", "flash-attn-3", "flash-attn-4", "liger-kernel", "pydantic", "nvidia-ml-py", "triton")
@@ -54,22 +59,6 @@ class EnvironmentReport(BaseModel):
 
     def usable(self, backend: str) -> bool:
         return self.attention.get(backend) == "available"
-
-
-class Plan(BaseModel):
-    """The config's `auto` choices made concrete for this machine and GPU selection."""
-
-    device: str  # "cuda" or "cpu"
-    gpu_ids: list[int]
-    nproc: int
-    precision: str  # bf16 | fp16 | fp32
-    compute_dtype: str  # bfloat16 | float16 | float32
-    train_attn: str
-    eval_attn: str
-    eval_dtype: str = ""  # compute dtype of the static/continuous evaluation engines ("" = compute_dtype)
-    attention_choice: dict[str, str] = {}  # purpose -> why that backend (measured timings, configured, CPU)
-    strategy: str = "ddp"  # ddp | fsdp (hardware.strategy resolved: finetune_flows/training/sharding.py)
-    strategy_choice: str = ""  # why
 
 
 def _version(dist: str) -> str | None:
@@ -194,15 +183,10 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
     plan = Plan(device=selection.device_type, gpu_ids=selection.ids, nproc=nproc, precision=p,
                 compute_dtype=compute, train_attn=train_attn, eval_attn=eval_attn, eval_dtype=eval_dtype,
                 attention_choice=why)
-    from finetune_flows.training.distributed import world_size  # imports this module
-    from finetune_flows.training.sharding import resolve_strategy
-
     strategy, choice = resolve_strategy(cfg, on_gpu=on_gpu, ranks=world_size(cfg, plan),
                                         free_mib=min((g.memory_free_mib for g in gpus), default=None),
                                         dtype_bytes=4 if compute == "float32" else 2)
     plan = plan.model_copy(update={"strategy": strategy, "strategy_choice": choice})
-    from finetune_flows.training.train import compile_setting  # imports this module
-
     if cfg.hardware.attn_implementation == "auto" and cfg.train.packing and compile_setting(cfg, plan):
         # the strategy decides whether training compiles its layers, which limits packed training's kernels
         train_attn, _, why, _ = resolve_attention("auto", env.attention, gpus, p, env.hub_reachable, timings,
@@ -343,8 +327,6 @@ def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentR
     plan, timings = measured_plan(cfg, env, selection, run_dir / "work")
     if timings:
         env = env.model_copy(update={"attention_timings": timings})
-    from finetune_flows.training.distributed import plan_problems  # imports this module
-
     if problems := plan_problems(cfg, plan):
         raise EnvironmentMismatch(problems, "config vs environment")
     md = report_markdown(env, plan)

@@ -37,6 +37,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from finetune_flows.runtime.lifecycle import (
+    exit_now, preexec_die_with, quiet_optional_hub_kernel_warning, set_parent_death_signal,
+)
+from finetune_flows.runtime.processes import alive
+
 SWITCH_ENV = "FINETUNE_FLOWS_FORK_SERVER"
 FORKABLE = ("finetune_flows.training.worker", "finetune_flows.evaluation.worker", "finetune_flows.models.quantize", "finetune_flows.export.merge")
 PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
@@ -82,8 +87,6 @@ class ForkServer:
     """One server process: started with an environment and working directory, forks workers for jobs with the same."""
 
     def __init__(self, env: dict[str, str], cwd: str, start: Callable[[Callable[[], Any]], Any]):
-        from finetune_flows.runtime.lifecycle import preexec_die_with
-
         self.env, self.cwd = env, cwd
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._preface = tempfile.TemporaryFile()  # what importing printed; the server hands it to every worker
@@ -166,8 +169,6 @@ class ForkServer:
         if pid in self._exits:
             return self._exits[pid]
         if self._closed:  # the server is gone: its workers got SIGTERM from the kernel; no one reports their status
-            from finetune_flows.runtime.processes import alive
-
             if not alive(pid):
                 return -signal.SIGTERM
         return None
@@ -265,9 +266,6 @@ def close_all() -> None:
 
 
 def _serve(sock: socket.socket) -> None:
-    from finetune_flows.runtime.lifecycle import set_parent_death_signal
-    from finetune_flows.runtime.launcher import quiet_optional_hub_kernel_warning
-
     set_parent_death_signal()  # armed by preexec too; kept for a server started by hand
     quiet_optional_hub_kernel_warning()
     try:
@@ -323,8 +321,6 @@ def _run_worker(request: dict[str, Any], out: int, sock: socket.socket, preface:
     import runpy
     import traceback
 
-    from finetune_flows.runtime.lifecycle import preexec_die_with
-
     code = 1
     try:
         os.setsid()
@@ -348,8 +344,6 @@ def _run_worker(request: dict[str, Any], out: int, sock: socket.socket, preface:
     except BaseException:
         traceback.print_exc()
     finally:
-        from finetune_flows.runtime.launcher import exit_now
-
         exit_now(code)
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from finetune_flows.errors import EnvironmentMismatch
 from finetune_flows.orchestration.steps import step
+from finetune_flows.logs import run_logger
 
 
 class GpuInfo(BaseModel):
@@ -168,8 +169,6 @@ def read_inventory() -> list[GpuInfo]:
 @step(name="select-gpus", task_run_name="select-gpus[{spec}]", tags=["setup"])
 def select_gpus(spec: str, inventory: list[GpuInfo]) -> GpuSelection:
     """Pick GPUs from the environment probe's reading (the one `hardware.gpus` was checked against) and log it."""
-    from finetune_flows.runtime.launcher import run_logger
-
     selection = selection_for(spec, inventory)
     run_logger().info("selected %s; workers get %s", selection.describe(), selection.env)
     return selection

@@ -14,7 +14,6 @@ the task can stop, adapt or retry instead of treating every exit code alike (tor
 from __future__ import annotations
 
 import json
-import logging
 import os
 import queue
 import re
@@ -23,24 +22,18 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections import deque
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from finetune_flows.runtime import forkserver
 from finetune_flows.errors import DiskFull, UserInputError, WorkerFailed, WorkerInterrupted, WorkerOOM
-from finetune_flows.runtime.lifecycle import (
-    EXIT_CODES, GRACE_ENV, LAUNCHER_ENV, classify, die_with_launcher, failure_path, preexec_die_with,
-    report_failure,
-)
-from finetune_flows.runtime.processes import (
-    ProcessId, remove_record_if_mine, signal_tree, tree, wait_gone, write_record,
-)
+from finetune_flows.logs import run_logger
+from finetune_flows.runtime.lifecycle import EVENT_PREFIX, GRACE_ENV, LAUNCHER_ENV, classify, failure_path, preexec_die_with
+from finetune_flows.runtime.policy import worker_environment
+from finetune_flows.runtime.processes import ProcessId, signal_tree, tree, wait_gone, write_record
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-EVENT_PREFIX = "@@event "
 DEFAULT_STOP_GRACE = 25.0  # below the 30 s a Prefect worker waits after SIGTERM before it SIGKILLs a flow run
 FAILURE_ORDER = ("user_error", "disk_full", "oom", "interrupted")  # the most telling cause first
 # Every worker hashes strings the same way: PEFT writes `all-linear` target modules from a set, and with a fixed hash
@@ -49,24 +42,9 @@ FAILURE_ORDER = ("user_error", "disk_full", "oom", "interrupted")  # the most te
 STABLE_HASHES = {"PYTHONHASHSEED": "0"}
 
 
-def run_logger() -> logging.Logger | logging.LoggerAdapter:
-    """The Prefect run's logger inside a flow or task run, else ours. A worker process never has a Prefect run and
-    never imports Prefect (finetune_flows/orchestration/steps.py says why), so the code it shares with the flow logs to ours there."""
-    if "prefect" not in sys.modules:
-        return logging.getLogger("finetune_flows")
-    try:
-        from prefect.logging import get_run_logger
-
-        return get_run_logger()
-    except Exception:  # outside a flow/task run (plain function calls in tests)
-        return logging.getLogger("finetune_flows")
-
-
 def worker_env(gpu_env: dict[str, str]) -> dict[str, str]:
     """The child's environment: ours (less secrets the worker's policy withholds) plus the selected GPUs; our own
     os.environ is never modified."""
-    from finetune_flows.runtime.policy import worker_environment
-
     env = worker_environment(dict(os.environ))
     env.update(gpu_env)
     env.update(STABLE_HASHES)
@@ -331,100 +309,6 @@ def torchrun_module(module: str, job_path: Path, nproc: int) -> list[str]:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         "-m", module, str(job_path),
     ]
-
-
-def emit_event(kind: str, **data: Any) -> None:
-    """Called inside a worker: a structured line the launcher turns into artifacts (progress, metrics)."""
-    print(EVENT_PREFIX + json.dumps({"kind": kind, **data}), flush=True)
-
-
-@contextmanager
-def rank_record(workdir: Path, rank: int | str | None) -> Iterator[None]:
-    """A training rank's pid record (torchrun's or Ray Train's): findable by operators and tests while the rank
-    runs, gone after. `rank` None (not a rank) records nothing."""
-    if rank is None:
-        yield
-        return
-    record = workdir / "ranks" / f"rank-{rank}.pid"
-    record.parent.mkdir(parents=True, exist_ok=True)
-    write_record(record)
-    try:
-        yield
-    finally:
-        remove_record_if_mine(record)
-
-
-# bitsandbytes >= 0.49 on a CPU with AVX512-BF16 tries, when it is imported, to fetch an optional 4-bit matmul kernel
-# from the Hub and, when it cannot (always, offline), warns "Failed to load CPU gemm_4bit_forward ... Please make sure
-# you already `pip install kernels`" in every worker, then uses its own CPU path; offline, `kernels` first warns that it
-# skips the repo's publisher trust check. Nothing is wrong and nothing is missing: the workers say so in one INFO line.
-BNB_HUB_KERNEL = "kernels-community/quantization-bitsandbytes"
-
-
-class _OptionalHubKernelNote(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.WARNING and str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"):
-            reason = str(record.args[0]).split(".")[0] if record.args else "unavailable"
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            record.msg, record.args = ("bitsandbytes: optional CPU kernel %s not loaded (%s); using its built-in CPU "
-                                       "path", (BNB_HUB_KERNEL, reason))
-        return True
-
-
-class _TrustCheckOfOptionalKernel(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:  # the INFO line above says what happened
-        return not (record.levelno == logging.WARNING and BNB_HUB_KERNEL in record.getMessage())
-
-
-def quiet_optional_hub_kernel_warning() -> None:
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_OptionalHubKernelNote())
-    logging.getLogger("kernels.hf_hub").addFilter(_TrustCheckOfOptionalKernel())
-
-
-def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
-    """Entry point body for `python -m tasks.X job.json`: run fn(job), write its result or report why it failed."""
-    die_with_launcher()
-    quiet_optional_hub_kernel_warning()
-    job = json.loads(Path(sys.argv[1]).read_text())
-    workdir = Path(job["workdir"])
-    step = job["step"]
-    try:
-        with rank_record(workdir, os.environ.get("RANK")):
-            result = fn(job)
-    except Exception as exc:
-        kind = classify(exc, workdir)
-        if kind is None:
-            traceback.print_exc()
-            sys.stdout.flush()
-            raise
-        if kind in ("oom", "disk_full"):
-            traceback.print_exc()  # for the log file; the task reports one line
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if kind == "disk_full" and "space" not in message:  # e.g. torch.save's "unexpected pos": say what it was
-            message = f"{type(exc).__name__} while writing: {message}"
-        report_failure(workdir, step, kind, str(exc) if kind == "user_error" else message,
-                       int(job.get("micro_batch_split", 1)))
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        exit_now(EXIT_CODES[kind])
-    if result is not None:
-        tmp = workdir / f".{step}.result.json.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, workdir / f"{step}.result.json")
-    exit_now(0)
-
-
-def exit_now(code: int) -> None:
-    """End a worker whose work is on disk without the interpreter's teardown: with torch, transformers, peft and
-    bitsandbytes loaded, tearing the modules down takes 2.6 s of CPU after the last line on a 2-core host (0.09 s
-    this way), and every step waited for it. Everything the worker writes is written and renamed before this;
-    the streams and log handlers are flushed here; the training ranks have left their process group already."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 def write_job(workdir: Path, step: str, **fields: Any) -> Path:

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from finetune_flows.config.schema import ATTENTION_BACKENDS, FinetuneConfig, load_config
 from finetune_flows.errors import UserInputError
+from finetune_flows.logs import run_logger
 
 POLICY_ENV = "FINETUNE_FLOWS_POLICY"
 DEFAULT_CACHE = "~/.cache/finetune-flows"
@@ -249,7 +250,6 @@ def checked_config(config: str | Path | None, overrides: list[str] | None) -> Fi
         for name in set(os.environ) - set(kept):
             del os.environ[name]
         os.environ["HF_TOKEN_PATH"] = os.devnull
-    from finetune_flows.runtime.launcher import run_logger
 
     run_logger().info("worker policy %s: run allowed (remote code %s, secrets %s)", policy.source,
                       "allowed" if policy.remote_code else "refused", "passed" if trusted else "withheld")

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from finetune_flows.orchestration.concurrency import MAX_WAIT_REPORT_SECONDS, WAIT_REPORT_SECONDS
-from finetune_flows.runtime.launcher import run_logger
+from finetune_flows.logs import run_logger
 
 MANIFEST = "manifest.json"
 LOCKS = ".locks"

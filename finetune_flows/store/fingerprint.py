@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from finetune_flows.errors import DataError, ModelSourceError
+
 _PROJECT = Path(__file__).resolve().parents[1]  # the finetune_flows package
 
 # The libraries whose version can change each step's output.
@@ -102,8 +104,6 @@ def resolve_hub_revision(repo_id: str, revision: str | None, repo_type: str) -> 
 def pin_hub_revisions(cfg):
     """The config with Hub model/dataset revisions pinned to commits, so cache keys see upstream changes and
     config.resolved.yaml records exactly what was read. Local and built-in sources are returned unchanged."""
-    from finetune_flows.errors import DataError, ModelSourceError
-
     model, data = cfg.model, cfg.data
     source = model.source
     if not (source.startswith(("builtin:", "generated:", ".", "/", "~")) or Path(source).expanduser().exists()):

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
-from finetune_flows.config.schema import FinetuneConfig
+from finetune_flows.config.schema import FinetuneConfig, load_config
 from finetune_flows.errors import UserInputError
 from finetune_flows.store.entries import write_atomic
 
@@ -59,8 +59,6 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 def flow_run_name() -> str:
     """`<run name>/<model>/<run id>`: what a person scans for in the Prefect UI."""
     from prefect.runtime import flow_run
-
-    from finetune_flows.config.schema import load_config
 
     params = flow_run.parameters
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from finetune_flows.errors import NotRetryable, RepeatedFailure, WorkerFailed, WorkerInterrupted, WorkerOOM
-from finetune_flows.runtime.launcher import run_logger
+from finetune_flows.logs import run_logger
 
 MAX_SPLIT = 64
 EventHandler = Callable[[dict[str, Any]], None]

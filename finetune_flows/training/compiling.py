@@ -23,6 +23,8 @@ import os
 import statistics
 from pathlib import Path
 
+from finetune_flows.store.entries import write_atomic
+
 MEASURE_STEPS = 5  # eager steps timed before deciding
 # The lower of the two speedups measured on the H200 (above): a decision must not count on the larger one.
 SPEEDUP = 1.45
@@ -62,8 +64,6 @@ def recorded_cost(record: Path | None, key: str) -> float | None:
 def record_cost(record: Path, key: str, seconds: float) -> None:
     """One writer at a time (an exclusive lock on the record's folder, so concurrent runs on one cache keep each
     other's keys), written atomically (readers see a whole file; the last measurement of a key wins)."""
-    from finetune_flows.store.entries import write_atomic
-
     record.parent.mkdir(parents=True, exist_ok=True)
     folder = os.open(record.parent, os.O_RDONLY)
     try:

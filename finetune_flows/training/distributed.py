@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune_flows.config.schema import FinetuneConfig
-from finetune_flows.runtime.environment import Plan
+from finetune_flows.config.plan import Plan
+from finetune_flows.training.checkpoints import checkpoint_is_complete
 
 
 def ranks_per_node(cfg: FinetuneConfig, plan: Plan) -> int:
@@ -155,8 +156,6 @@ def checkpoint_step(path: Path) -> int:
 
 def complete_checkpoints(ckpt_dir: Path) -> dict[int, Path]:
     """This rank's view of the complete checkpoints (manifest and every file present), by step."""
-    from finetune_flows.training.worker import checkpoint_is_complete  # the rank body imports this module
-
     found = {}
     for path in ckpt_dir.glob("checkpoint-*") if ckpt_dir.is_dir() else []:
         if checkpoint_is_complete(path):
@@ -179,8 +178,6 @@ def prepare_ranks(trainer, out: Path) -> tuple[bool, Path | None]:
     """Every rank, once the Trainer (and so the process group) exists: find out whether the output directory is
     shared (if not, the Trainer saves checkpoints on each node), hook in Ray Train's reporting when running under
     it, and choose the checkpoint every rank resumes from. Returns (shared, resume)."""
-    from finetune_flows.training.ray_worker import in_ray_worker, ray_checkpoint, report_callback
-
     shared = storage_is_shared(out)
     trainer.args.save_on_each_node = not shared
     ckpt_dir = Path(trainer.args.output_dir)
@@ -188,3 +185,46 @@ def prepare_ranks(trainer, out: Path) -> tuple[bool, Path | None]:
         trainer.add_callback(report_callback())
         return shared, ray_checkpoint() or agreed_checkpoint(ckpt_dir)
     return shared, agreed_checkpoint(ckpt_dir)
+
+
+# ---------------------------------------------------------------- under Ray Train (hardware.launcher: ray)
+
+
+def report_callback():
+    """The Trainer's Ray integration, with the checkpoint reported by rank 0 alone. Under DDP every rank holds
+    the same checkpoint; if each reported its own copy, a rank that looked before the new checkpoint was on disk
+    would merge the previous step's files into it. Every rank's RNG state is already in the copy: the training
+    worker's own `on_save` (finetune_flows/training/worker.py, a callback added before this one) waits for every rank."""
+    import ray.train
+    from ray.train.huggingface.transformers import RayTrainReportCallback
+
+    class RankZeroReport(RayTrainReportCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                return super().on_save(args, state, control, **kwargs)
+            ray.train.report(metrics={"step": state.global_step}, checkpoint=None)  # report is collective
+
+    return RankZeroReport()
+
+
+def ray_checkpoint() -> Path | None:
+    """Inside a Ray Train worker: the newest checkpoint Ray persisted for this run (None on a first attempt)."""
+    import ray.train
+    from ray.train.huggingface.transformers import RayTrainReportCallback
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    return Path(checkpoint.path) / RayTrainReportCallback.CHECKPOINT_NAME
+
+
+def in_ray_worker() -> bool:
+    if "ray" not in sys.modules:
+        return False
+    import ray.train
+
+    try:
+        ray.train.get_context()
+        return True
+    except Exception:  # outside a Ray Train worker
+        return False

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.training.distributed import world_size
-from finetune_flows.runtime.environment import Plan
-from finetune_flows.runtime.launcher import COMPILE_CACHES, rank_record, worker_main
+from finetune_flows.config.plan import Plan
+from finetune_flows.runtime.launcher import COMPILE_CACHES
+from finetune_flows.runtime.lifecycle import rank_record, worker_main
+from finetune_flows.training.worker import _train
 
 RAY_RUN_NAME = "train"
 # Progress events are plain stdout lines: Ray Train's print patch would turn them into log records.
@@ -41,50 +42,8 @@ def train_loop_per_worker(job: dict) -> None:
     """One Ray Train worker: Ray has set up the process group and RANK/LOCAL_RANK/WORLD_SIZE."""
     import ray.train
 
-    from finetune_flows.training.worker import _train
-
     with rank_record(Path(job["workdir"]), ray.train.get_context().get_world_rank()):
         _train(job)
-
-
-def report_callback():
-    """The Trainer's Ray integration, with the checkpoint reported by rank 0 alone. Under DDP every rank holds
-    the same checkpoint; if each reported its own copy, a rank that looked before the new checkpoint was on disk
-    would merge the previous step's files into it. Every rank's RNG state is already in the copy: the training
-    worker's own `on_save` (finetune_flows/training/worker.py, a callback added before this one) waits for every rank."""
-    import ray.train
-    from ray.train.huggingface.transformers import RayTrainReportCallback
-
-    class RankZeroReport(RayTrainReportCallback):
-        def on_save(self, args, state, control, **kwargs):
-            if state.is_world_process_zero:
-                return super().on_save(args, state, control, **kwargs)
-            ray.train.report(metrics={"step": state.global_step}, checkpoint=None)  # report is collective
-
-    return RankZeroReport()
-
-
-def ray_checkpoint() -> Path | None:
-    """Inside a Ray Train worker: the newest checkpoint Ray persisted for this run (None on a first attempt)."""
-    import ray.train
-    from ray.train.huggingface.transformers import RayTrainReportCallback
-
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return None
-    return Path(checkpoint.path) / RayTrainReportCallback.CHECKPOINT_NAME
-
-
-def in_ray_worker() -> bool:
-    if "ray" not in sys.modules:
-        return False
-    import ray.train
-
-    try:
-        ray.train.get_context()
-        return True
-    except Exception:  # outside a Ray Train worker
-        return False
 
 
 def run_on_ray(job: dict) -> dict:

@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from finetune_flows.config.schema import FinetuneConfig
+from finetune_flows.models.sources import ARCHS
+from finetune_flows.training.planner import BUDGET_FRACTION, GIB, ModelShape, peak_bytes
+from finetune_flows.errors import UserInputError
 
 MIB = 2**20
 
@@ -41,8 +44,6 @@ def quant_storage(strategy: str, compute_dtype: str) -> str:
 
 def readable_model_config(source: str) -> dict | None:
     """The model's config.json where it can be read before anything is downloaded or converted."""
-    from finetune_flows.models.sources import ARCHS
-
     if source.startswith("generated:"):
         return ARCHS.get(source.split(":", 1)[1])
     path = Path(source).expanduser() / "config.json"
@@ -52,8 +53,6 @@ def readable_model_config(source: str) -> dict | None:
 def resolve_strategy(cfg: FinetuneConfig, *, on_gpu: bool, ranks: int, free_mib: int | None,
                      dtype_bytes: int) -> tuple[str, str]:
     """(ddp | fsdp, why) for `hardware.strategy` on this machine; `ranks` is the world size of the run."""
-    from finetune_flows.training.planner import BUDGET_FRACTION, GIB, ModelShape, peak_bytes
-
     wanted = cfg.hardware.strategy
     if ranks == 1 and wanted != "ddp":
         return "ddp", (f"hardware.strategy={wanted} with a single rank: nothing to shard, training with ddp")
@@ -156,7 +155,5 @@ def check_storage(shared: bool) -> None:
     """FSDP checkpoints are written by global rank 0 and read back through it; nodes that do not share the output
     directory would resume from different files (and the ranks would disagree on the collectives to run)."""
     if not shared:
-        from finetune_flows.errors import UserInputError
-
         raise UserInputError("hardware.strategy=fsdp across nodes needs an output directory (run.cache_dir) that "
                              "every node shares: FSDP checkpoints are written and read through global rank 0")

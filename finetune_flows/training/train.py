@@ -19,20 +19,19 @@ from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.training.distributed import fingerprint_parts, train_command, world_size
-from finetune_flows.runtime.environment import Plan
+from finetune_flows.config.plan import Plan, compile_setting, dequantize_setting, liger_setting, upcast_setting
 from finetune_flows.errors import UserInputError, retry_unless_user_error
 from finetune_flows.store.fingerprint import combine, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
-from finetune_flows.runtime.launcher import (
-    compile_caches, compile_root, run_logger, run_worker, training_env, write_job,
-)
+from finetune_flows.runtime.launcher import compile_caches, compile_root, run_worker, training_env, write_job
+from finetune_flows.logs import run_logger
 from finetune_flows.training.planner import ModelShape, TrainingPlan, plan_training
 from finetune_flows.config.preflight import check_lora_targets
 from finetune_flows.reporting.progress import ProgressReporter
 from finetune_flows.models.quantize import QuantizedModel
 from finetune_flows.orchestration.steps import step
 from finetune_flows.store.entries import Entry, reuse_or_produce, step_state
-from finetune_flows.training.worker import last_checkpoint
+from finetune_flows.training.checkpoints import last_checkpoint
 
 # train.* settings that cannot change the adapter: bookkeeping, checkpoint cadence (a resume restores the
 # optimizer, scheduler and RNG state, so where it resumes from does not change the result) and retries. Every
@@ -104,42 +103,6 @@ def row_lengths(data: PreparedDataset) -> list[int]:
                                 ).to_pylist()
 
 
-def liger_setting(cfg: FinetuneConfig, plan: Plan) -> bool:
-    """`auto`: Liger's kernels on NVIDIA GPUs where liger-kernel is installed."""
-    import importlib.util
-
-    want = cfg.train.liger_kernel
-    installed = importlib.util.find_spec("liger_kernel") is not None
-    if want is True and not installed:
-        raise UserInputError("train.liger_kernel=true, but liger-kernel is not installed (pip install .[gpu])")
-    return plan.device == "cuda" and installed and want in (True, "auto")
-
-
-# Measured on one H200 (Qwen3-0.6B shape, packed 10k-token micro-batches, Liger, benchmarks/results/
-# train-bench-1xGPU-20261201-032103): 4-bit base 26.5k tokens/s, dequantized 36.6k, dequantized + compiled layers
-# 65.9k, the same eval loss. The step is bound by the host's kernel launches, which both cut.
-def dequantize_setting(cfg: FinetuneConfig, plan: Plan) -> bool:
-    """`auto`: on NVIDIA GPUs under DDP (the planner still keeps the base 4-bit where the copy would not fit); not
-    under FSDP, whose point is a sharded 4-bit base, nor on the CPU, where the 4-bit path is what tests exercise."""
-    want = cfg.train.dequantize_base
-    return want is True or (want == "auto" and plan.device == "cuda" and plan.strategy != "fsdp")
-
-
-def compile_setting(cfg: FinetuneConfig, plan: Plan) -> bool:
-    """`auto`: wherever the base is held dequantized on an NVIDIA GPU (compiling needs it: finetune_flows/training/planner.py), once
-    the first steps show the run repays the compilation (finetune_flows/training/compiling.py)."""
-    want = cfg.train.compile
-    return want is True or (want == "auto" and plan.device == "cuda" and dequantize_setting(cfg, plan))
-
-
-def upcast_setting(cfg: FinetuneConfig) -> bool:
-    """`auto`: frozen weights in the compute dtype. Measured on an H200 (Qwen3-0.6B shape, packed 10k-token
-    micro-batches, Liger): the same tokens/s and eval loss as PEFT's fp32 upcast, at half the peak memory and
-    45% less GPU time (the upcast makes every activation fp32: benchmarks/README.md)."""
-    want = cfg.train.upcast_frozen
-    return False if want == "auto" else bool(want)
-
-
 def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan,
                   gpus: GpuSelection) -> TrainingPlan:
     """The memory planner's choice for this model, data and the selected GPUs (finetune_flows/training/planner.py)."""
@@ -171,7 +134,6 @@ def publish_training_plan(tplan: TrainingPlan) -> None:
         create_markdown_artifact(md, key="training-plan", description="Micro-batch, accumulation, checkpointing")
     except Exception as exc:  # outside a Prefect run
         run_logger().debug("training plan artifact not created: %s", exc)
-
 
 
 # What an unfinished attempt leaves for the next one: the checkpoints it resumes from (torchrun's, and Ray Train's

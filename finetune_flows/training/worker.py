@@ -24,14 +24,17 @@ from finetune_flows.data.dataset import IGNORE_INDEX, load_split
 from finetune_flows.training.distributed import (
     barrier, checkpoint_step, gather, is_writer, prepare_ranks, single_rank_defaults,
 )
-from finetune_flows.runtime.environment import Plan
-from finetune_flows.runtime.launcher import emit_event, worker_main
+from finetune_flows.config.plan import Plan
+from finetune_flows.training.checkpoints import last_checkpoint, write_checkpoint_manifest
+from finetune_flows.runtime.lifecycle import emit_event, worker_main
 from finetune_flows.runtime.lifecycle import training_callback
 from finetune_flows.training.planner import TrainingPlan
 from finetune_flows.models.quantize import torch_dtype
 from finetune_flows.training import sharding
-
-CHECKPOINT_MANIFEST = "finetune-flows-checkpoint.json"
+from finetune_flows.models.dequantize import dequantize_model
+from finetune_flows.models.attention import packed_kernel_for, use_packed_attention
+from finetune_flows.data.packing import PackedCollator, PackedDataset, build_schedule
+from finetune_flows.training.profiling import profiler_callback
 
 
 class PadCollator:
@@ -55,44 +58,6 @@ class PadCollator:
             mask[i, :n] = 1
         self.tokens += int(mask.sum())
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-def write_checkpoint_manifest(path: Path) -> None:
-    """Written after the Trainer finished a checkpoint: the name and size of every file in it, atomically."""
-    files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*"))
-             if p.is_file() and p.name != CHECKPOINT_MANIFEST}
-    tmp = path / f".{CHECKPOINT_MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"files": files}))
-    os.replace(tmp, path / CHECKPOINT_MANIFEST)
-
-
-def checkpoint_is_complete(path: Path) -> bool:
-    try:
-        files = json.loads((path / CHECKPOINT_MANIFEST).read_text())["files"]
-        json.loads((path / "trainer_state.json").read_text())
-        return all((path / name).is_file() and (path / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def last_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The newest *complete* checkpoint (its manifest lists files that are all there, at their sizes). A crash
-    during a save, or a file lost later, leaves one that is not; those are removed so the Trainer can write that
-    step again, and the previous checkpoint is used."""
-    if not ckpt_dir.is_dir():
-        return None
-    candidates = sorted((p for p in ckpt_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                        key=lambda p: int(p.name.split("-")[-1]), reverse=True)
-    for path in candidates:
-        if checkpoint_is_complete(path):
-            return path
-        print(f"removing incomplete checkpoint {path.name} (interrupted while saving, or a file is missing)",
-              flush=True)
-        shutil.rmtree(path, ignore_errors=True)
-    return None
 
 
 # ---------------------------------------------------------------- measurement
@@ -204,8 +169,6 @@ def build_model(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, base_path:
     )
     ckpt_kwargs = {"use_reentrant": False}
     if load_in_4bit and tplan.dequantize_base:
-        from finetune_flows.models.dequantize import dequantize_model
-
         dequantize_model(model)  # in place, on the device: the weights the 4-bit matmuls multiply by
         load_in_4bit = False
     if load_in_4bit and upcast:
@@ -261,9 +224,6 @@ def _train(job: dict) -> dict | None:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = load_split(data_path, "train")
     if tplan.packing:
-        from finetune_flows.models.attention import packed_kernel_for, use_packed_attention
-        from finetune_flows.data.packing import PackedCollator, PackedDataset, build_schedule
-
         kernel = packed_kernel_for(plan.train_attn, on_gpu)
         use_packed_attention(model, kernel)
         schedule = build_schedule([len(r["input_ids"]) for r in rows], tplan.micro_batch_tokens,
@@ -326,8 +286,6 @@ def _train(job: dict) -> dict | None:
     if fsdp:
         sharding.check_storage(shared)
     if job.get("profile") and on_gpu:  # the training benchmark's "where does the time go" window
-        from finetune_flows.training.profiling import profiler_callback
-
         trainer.add_callback(profiler_callback(Path(job["profile"]["path"]), job["profile"]["start"],
                                                job["profile"]["steps"]))
     if trainer.is_world_process_zero():
