@@ -59,13 +59,13 @@ def prepare(args, work: Path, device: str):
 
     from finetune_flows.orchestration.caching import run_step
     from finetune_flows.config.schema import load_config
-    from finetune_flows.data.dataset import prepare_dataset
+    from tasks.prepare_dataset import prepare_dataset
     from finetune_flows.config.plan import Plan
     from finetune_flows.runtime.environment import _cpu_bf16, auto_eval_dtype
     from finetune_flows.runtime.gpus import read_inventory, selection_for
     from finetune_flows.models.sources import materialize_tokenizer
-    from finetune_flows.models.quantize import quantize_base_model
-    from finetune_flows.training.train import train_adapter
+    from tasks.quantize_base_model import quantize_base_model
+    from tasks.train_adapter import train_adapter
 
     # Short rows to train on (the adapter learns fast), varied-length prompts to evaluate.
     train_file, eval_file = work / "train.jsonl", work / "eval.jsonl"

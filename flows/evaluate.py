@@ -18,23 +18,23 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 
 from prefect import flow  # noqa: E402
 
+from finetune_flows.cli import run_cli  # noqa: E402
+from finetune_flows.config.preflight import preflight  # noqa: E402
 from finetune_flows.evaluation.adapters import (  # noqa: E402
     EvaluationResult, check_evaluation_dir, create_eval_run_dir, eval_run_name, finish_evaluation, named_adapter,
     render_evaluation, training_config, warn_if_other_base,
 )
-from finetune_flows.orchestration.caching import run_step  # noqa: E402
-from finetune_flows.store.fingerprint import pin_hub_revisions  # noqa: E402
-from finetune_flows.runtime.policy import check_adapter_path  # noqa: E402
-from finetune_flows.data.dataset import prepare_dataset  # noqa: E402
-from finetune_flows.runtime.environment import verify_environment  # noqa: E402
-from finetune_flows.evaluation.evaluate import (  # noqa: E402
-    beside_adapter, evaluate_adapter, evaluate_checkpoint, publish_eval,
-)
-from finetune_flows.runtime.gpus import select_gpus  # noqa: E402
+from finetune_flows.evaluation.evaluate import beside_adapter, publish_eval  # noqa: E402
 from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
-from finetune_flows.config.preflight import preflight  # noqa: E402
-from finetune_flows.models.quantize import quantize_base_model  # noqa: E402
-from finetune_flows.cli import run_cli  # noqa: E402
+from finetune_flows.orchestration.caching import run_step  # noqa: E402
+from finetune_flows.runtime.policy import check_adapter_path  # noqa: E402
+from finetune_flows.store.fingerprint import pin_hub_revisions  # noqa: E402
+from tasks.evaluate_adapter import evaluate_adapter  # noqa: E402
+from tasks.evaluate_checkpoint import evaluate_checkpoint  # noqa: E402
+from tasks.prepare_dataset import prepare_dataset  # noqa: E402
+from tasks.quantize_base_model import quantize_base_model  # noqa: E402
+from tasks.select_gpus import select_gpus  # noqa: E402
+from tasks.verify_environment import verify_environment  # noqa: E402
 
 
 @flow(name="evaluate", flow_run_name=eval_run_name, log_prints=True, persist_result=False)

@@ -15,23 +15,23 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 
 from prefect import flow  # noqa: E402
 
-from finetune_flows.orchestration.caching import run_step  # noqa: E402
-from finetune_flows.store.fingerprint import pin_hub_revisions  # noqa: E402
-from finetune_flows.data.dataset import prepare_dataset  # noqa: E402
-from finetune_flows.runtime.environment import verify_environment  # noqa: E402
-from finetune_flows.evaluation.evaluate import evaluate_adapter, publish_eval  # noqa: E402
-from finetune_flows.runtime.gpus import select_gpus  # noqa: E402
-from finetune_flows.export.model_card import export_merged_model  # noqa: E402
-from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
-from finetune_flows.config.preflight import preflight  # noqa: E402
-from finetune_flows.models.quantize import quantize_base_model  # noqa: E402
-from finetune_flows.store.runs import create_run_dir, flow_run_name  # noqa: E402
-from finetune_flows.reporting.summary import FinetuneResult, finish_run  # noqa: E402
-from finetune_flows.reporting.tracking import log_to_mlflow  # noqa: E402
-from finetune_flows.training.train import train_adapter  # noqa: E402
 from finetune_flows.cli import run_cli  # noqa: E402
+from finetune_flows.config.preflight import preflight  # noqa: E402
 from finetune_flows.config.schema import config_reference  # noqa: E402
-from finetune_flows.reporting.summary import print_table  # noqa: E402
+from finetune_flows.evaluation.evaluate import publish_eval  # noqa: E402
+from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
+from finetune_flows.orchestration.caching import run_step  # noqa: E402
+from finetune_flows.reporting.summary import FinetuneResult, finish_run, print_table  # noqa: E402
+from finetune_flows.store.fingerprint import pin_hub_revisions  # noqa: E402
+from finetune_flows.store.runs import create_run_dir, flow_run_name  # noqa: E402
+from tasks.evaluate_adapter import evaluate_adapter  # noqa: E402
+from tasks.log_to_mlflow import log_to_mlflow  # noqa: E402
+from tasks.merge_adapter import export_merged_model  # noqa: E402
+from tasks.prepare_dataset import prepare_dataset  # noqa: E402
+from tasks.quantize_base_model import quantize_base_model  # noqa: E402
+from tasks.select_gpus import select_gpus  # noqa: E402
+from tasks.train_adapter import train_adapter  # noqa: E402
+from tasks.verify_environment import verify_environment  # noqa: E402
 
 DEFAULT_CONFIG = "configs/demo.yaml"
 

@@ -7,7 +7,8 @@ import pytest
 from finetune_flows.config.schema import load_config
 from finetune_flows.runtime.environment import EnvironmentReport, report_markdown, resolve_plan
 from finetune_flows.errors import EnvironmentMismatch
-from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, restrict, select_gpus, selection_for, visible_ids
+from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, restrict, selection_for, visible_ids
+from tasks.select_gpus import select_gpus
 from finetune_flows.runtime.launcher import worker_env
 
 

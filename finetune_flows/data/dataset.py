@@ -20,11 +20,10 @@ from pydantic import BaseModel
 
 from finetune_flows.config.schema import DataConfig, FinetuneConfig
 from finetune_flows.data.demo import BUILTIN_DATASETS
-from finetune_flows.errors import DataError, retry_unless_user_error
+from finetune_flows.errors import DataError
 from finetune_flows.store.fingerprint import combine, hash_bytes_of, hash_tree, step_versions
 from finetune_flows.logs import run_logger
 from finetune_flows.store.entries import Entry, reuse_or_produce, step_state
-from finetune_flows.orchestration.steps import step
 
 IGNORE_INDEX = -100
 ROLES = {"system", "user", "assistant"}
@@ -416,8 +415,6 @@ def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> Prepar
     return result
 
 
-@step(name="prepare-dataset", retries=1, retry_delay_seconds=5,
-      retry_condition_fn=retry_unless_user_error, task_run_name="prepare-dataset[{cfg.data.source}]", tags=["data"])
 def prepare_dataset(cfg: FinetuneConfig, tokenizer_dir: Path):
     """Reuse the verified dataset entry, or build it under the entry's lock."""
     entry = Entry(cfg.cache_root, "datasets", data_fingerprint(cfg, tokenizer_dir))

@@ -24,7 +24,6 @@ from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.export.merge import RECORD as EXPORT_RECORD
 from finetune_flows.config.plan import Plan
-from finetune_flows.errors import retry_unless_user_error
 from finetune_flows.store.fingerprint import combine, hash_bytes_of, hash_tree, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.runtime.launcher import compile_caches, python_module, run_worker, write_job
@@ -32,7 +31,6 @@ from finetune_flows.logs import run_logger
 from finetune_flows.evaluation.metrics import METRICS, explain, rates
 from finetune_flows.models.quantize import QuantizedModel
 from finetune_flows.store.entries import MANIFEST, Entry, reuse_or_produce, step_state, write_atomic
-from finetune_flows.orchestration.steps import step
 
 
 class ModelScores(BaseModel):
@@ -174,9 +172,6 @@ def _log_scores(report: EvalReport) -> None:
         f"{key} {report.metric}={s.generation_score} loss={s.loss:.4f}" for key, _, s in report.models()))
 
 
-@step(name="evaluate-adapter", retries=1, retry_delay_seconds=10,
-      retry_condition_fn=retry_unless_user_error, tags=["evaluation", "device"],
-      task_run_name="evaluate-adapter[{cfg.run.name}: {cfg.eval.max_samples} samples, {plan.eval_attn}]")
 def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter_path: Path,
                      plan: Plan, gpus: GpuSelection):
     """Score base and base + adapter, reusing a verified evaluation of the same inputs."""
@@ -187,9 +182,6 @@ def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: Quantized
     return step_state(report, reused, entry)
 
 
-@step(name="evaluate-checkpoint", retries=1, retry_delay_seconds=10,
-      retry_condition_fn=retry_unless_user_error, tags=["evaluation", "device"],
-      task_run_name="evaluate-checkpoint[{cfg.run.name}: {cfg.eval.max_samples} samples, {plan.eval_attn}]")
 def evaluate_checkpoint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, checkpoint: Path,
                         plan: Plan, gpus: GpuSelection):
     """Score base and a merged checkpoint, reusing a verified evaluation of the same inputs (keyed by the

@@ -30,7 +30,7 @@ from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.config.plan import Plan
-from finetune_flows.errors import ConfigError, EnvironmentMismatch, retry_unless_user_error
+from finetune_flows.errors import ConfigError, EnvironmentMismatch
 from finetune_flows.store.fingerprint import combine, hash_tree, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.runtime.launcher import python_module, run_worker, write_job
@@ -38,7 +38,6 @@ from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.models.quantize import QuantizedModel, torch_dtype
 from finetune_flows.store.entries import MANIFEST, Entry, reuse_or_produce
-from finetune_flows.orchestration.steps import step
 from finetune_flows.models.dequantize import dequantize_model
 
 RECORD = "export.json"
@@ -205,9 +204,6 @@ def _export(job: dict) -> dict:
 # ---------------------------------------------------------------- orchestrator side
 
 
-@step(name="merge-adapter", retries=1, retry_delay_seconds=10,
-      retry_condition_fn=retry_unless_user_error, task_run_name="merge-adapter[{cfg.run.name}: {cfg.export.dtype}]",
-      tags=["export", "device"])
 def merge_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter: Path, plan: Plan,
                   gpus: GpuSelection, required: bool = False) -> MergedModel | None:
     """The merged checkpoint (a store entry per base, adapter and export settings), or None when it does not fit

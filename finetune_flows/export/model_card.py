@@ -16,7 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.runtime.environment import EnvironmentReport
-from finetune_flows.export.merge import ExportResult, link_tree, merge_adapter, MergedModel
+from finetune_flows.export.merge import ExportResult, link_tree, MergedModel
 from finetune_flows.models.quantize import QuantizedModel
 from finetune_flows.store.runs import create_run_dir
 from finetune_flows.evaluation.evaluate import EvalReport
@@ -91,18 +91,6 @@ def place_merged(merged: MergedModel, run_dir: Path, cfg: FinetuneConfig, base: 
     tmp.replace(target / "README.md")
     create_markdown_artifact(card, key="merged-model", description="The merged checkpoint and its model card")
     return ExportResult(**{**merged.model_dump(), "path": target, "cache_path": merged.path})
-
-
-def export_merged_model(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter: Path, plan,
-                        gpus, env: EnvironmentReport, run_dir: Path, eval_rows: list[dict],
-                        required: bool = False) -> ExportResult | None:
-    """Merge (or reuse the merged checkpoint), place it in the run directory with its card; None if skipped."""
-    if not (cfg.export.merge or required):
-        return None
-    merged = merge_adapter(cfg, data, base, adapter, plan, gpus, required=required)
-    if merged is None:
-        return None
-    return place_merged(merged, run_dir, cfg, base, data, env, eval_rows, adapter)
 
 
 def create_export_run_dir(cfg: FinetuneConfig) -> Path:

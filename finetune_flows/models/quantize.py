@@ -18,7 +18,6 @@ from pydantic import BaseModel
 from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig, QuantizationConfig
 from finetune_flows.config.plan import Plan
-from finetune_flows.errors import retry_unless_user_error
 from finetune_flows.store.fingerprint import combine, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.runtime.launcher import python_module, run_worker, write_job
@@ -27,7 +26,6 @@ from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.models.sources import materialize_model, model_identity
 from finetune_flows.training.sharding import quant_storage
 from finetune_flows.store.entries import Entry, StoreError, reuse_or_produce, step_state
-from finetune_flows.orchestration.steps import step
 
 
 class QuantizedModel(BaseModel):
@@ -110,9 +108,6 @@ def _quantize(job: dict) -> dict:
     return result
 
 
-@step(name="quantize-base-model", retries=1, retry_delay_seconds=10,
-      retry_condition_fn=retry_unless_user_error, task_run_name="quantize-base-model[{cfg.model.source}]",
-      tags=["model", "device"])
 def quantize_base_model(cfg: FinetuneConfig, plan: Plan, gpus: GpuSelection, run_dir: Path):
     """Reuse the verified 4-bit checkpoint, or quantize it under the entry's lock; report its memory footprint."""
     fingerprint = quantize_fingerprint(cfg, plan)

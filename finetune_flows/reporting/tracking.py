@@ -22,7 +22,6 @@ from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.config.plan import Plan
 from finetune_flows.errors import ConfigError
 from finetune_flows.logs import run_logger
-from finetune_flows.orchestration.steps import step
 
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",), "wandb": ("wandb",),
             "trackio": ("trackio",), "comet_ml": ("comet_ml",), "clearml": ("clearml",)}
@@ -83,8 +82,6 @@ def _experiment_id(client, name: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
-@step(name="log-to-mlflow", retries=2, retry_delay_seconds=10, task_run_name="log-to-mlflow[{cfg.run.name}]",
-      tags=["tracking"])
 def log_to_mlflow(cfg: FinetuneConfig, plan: Plan, result) -> str:
     """Log a finished run (a FinetuneResult) to `tracking.mlflow_uri`; return the MLflow run id."""
     import time

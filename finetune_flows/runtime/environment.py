@@ -32,7 +32,6 @@ from finetune_flows.runtime.launcher import python_module, run_worker, write_job
 from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.store.entries import write_atomic
-from finetune_flows.orchestration.steps import step
 from finetune_flows.training.distributed import plan_problems, world_size
 from finetune_flows.training.sharding import resolve_strategy
 
@@ -315,7 +314,6 @@ def measured_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSel
     return (resolve_plan(cfg, env, selection, timings), timings) if timings else (plan, None)
 
 
-@step(name="verify-environment", task_run_name="verify-environment[gpus={cfg.hardware.gpus}]", tags=["setup"])
 def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentReport, Plan]:
     """Probe the machine, publish the report, and check the config against it (all problems at once)."""
     env = run_probe(run_dir / "work", cfg.hardware.kernels, cfg.cache_root)

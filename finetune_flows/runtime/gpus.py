@@ -14,7 +14,6 @@ import os
 from pydantic import BaseModel
 
 from finetune_flows.errors import EnvironmentMismatch
-from finetune_flows.orchestration.steps import step
 from finetune_flows.logs import run_logger
 
 
@@ -166,7 +165,6 @@ def read_inventory() -> list[GpuInfo]:
     return restrict(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-@step(name="select-gpus", task_run_name="select-gpus[{spec}]", tags=["setup"])
 def select_gpus(spec: str, inventory: list[GpuInfo]) -> GpuSelection:
     """Pick GPUs from the environment probe's reading (the one `hardware.gpus` was checked against) and log it."""
     selection = selection_for(spec, inventory)

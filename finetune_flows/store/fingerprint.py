@@ -31,15 +31,18 @@ STEP_LIBRARIES: dict[str, tuple[str, ...]] = {
     "merge-adapter": ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors"),
 }
 
-# The engine modules (paths under finetune_flows/) whose source can change each step's output. Modules not present (yet) are skipped, so a
-# step's list may name a module another change is about to add.
+# The engine modules (paths under finetune_flows/) whose source can change each step's output. Modules not present
+# (yet) are skipped, so a step's list may name a module another change is about to add.
 STEP_CODE: dict[str, tuple[str, ...]] = {
     "prepare-dataset": ("data/dataset", "data/demo"),
     "quantize-base-model": ("models/quantize", "models/sources"),
-    "train-adapter": ("training/train", "training/worker", "data/packing", "models/attention", "training/planner", "training/distributed", "training/sharding",
-                      "training/compiling", "models/dequantize"),
-    "evaluate-adapter": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation", "models/dequantize"),
-    "evaluate-checkpoint": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation", "models/dequantize"),
+    "train-adapter": ("training/train", "training/worker", "data/packing", "models/attention", "training/planner",
+                      "training/distributed", "training/sharding", "training/compiling", "models/dequantize",
+                      "config/plan"),
+    "evaluate-adapter": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
+                         "models/dequantize"),
+    "evaluate-checkpoint": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
+                            "models/dequantize"),
     "merge-adapter": ("export/merge", "models/dequantize"),
 }
 
@@ -65,7 +68,8 @@ def hash_tree(root: Path, suffixes: tuple[str, ...] | None = None) -> str:
 
 
 def code_version(*modules: str) -> str:
-    """Hash of the source of the given engine modules (`"data/dataset"`) that exist, so a code change invalidates what it affects."""
+    """Hash of the source of the given engine modules (`"data/dataset"`) that exist, so a code change invalidates
+    what it affects."""
     return hash_bytes_of([p for p in (_PROJECT / f"{m}.py" for m in sorted(modules)) if p.is_file()])[:16]
 
 

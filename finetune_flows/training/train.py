@@ -20,7 +20,7 @@ from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.training.distributed import fingerprint_parts, train_command, world_size
 from finetune_flows.config.plan import Plan, compile_setting, dequantize_setting, liger_setting, upcast_setting
-from finetune_flows.errors import UserInputError, retry_unless_user_error
+from finetune_flows.errors import UserInputError
 from finetune_flows.store.fingerprint import combine, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.runtime.launcher import compile_caches, compile_root, run_worker, training_env, write_job
@@ -29,7 +29,6 @@ from finetune_flows.training.planner import ModelShape, TrainingPlan, plan_train
 from finetune_flows.config.preflight import check_lora_targets
 from finetune_flows.reporting.progress import ProgressReporter
 from finetune_flows.models.quantize import QuantizedModel
-from finetune_flows.orchestration.steps import step
 from finetune_flows.store.entries import Entry, reuse_or_produce, step_state
 from finetune_flows.training.checkpoints import last_checkpoint
 
@@ -141,8 +140,6 @@ def publish_training_plan(tplan: TrainingPlan) -> None:
 RESUMABLE = ("checkpoints", "ray", "train.log", "attempts.json", "adapt.json")
 
 
-@step(name="train-adapter", retry_condition_fn=retry_unless_user_error,
-      task_run_name="train-adapter[{cfg.run.name}: {cfg.train.max_steps} steps]", tags=["training", "device"])
 def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan, gpus: GpuSelection,
                   run_dir: Path):
     """Reuse the verified adapter, or train it under the entry's lock (held for the whole attempt, so no other
