@@ -21,11 +21,12 @@ EXTRAS ?= test,ray,tracking
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-gpu gpu-proof bench-train bench-eval bench-scale clean help
+.PHONY: setup run test test-fast test-gpu gpu-proof bench-train bench-eval bench-scale clean help
 
 help:
 	@echo "make run       - set up, then fine-tune the built-in demo (configs/demo.yaml)"
 	@echo "make test      - set up, then run the CPU test suite"
+	@echo "make test-fast - the tests that train no model and start no pipeline (the edit loop, ~5 min)"
 	@echo "make test-gpu  - GPU tests (needs NVIDIA GPUs)"
 	@echo "make gpu-proof - GPU tests + real flow runs on this GPU host, report in benchmarks/results/"
 	@echo "make bench-train - training speed, seed recipe vs this project, report in benchmarks/results/"
@@ -59,6 +60,11 @@ run: setup
 TEST_WORKERS ?= 3
 test: setup test-deps
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=20 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
+
+# The edit loop: unit tests and the workers' own tests, without the pipeline runs (`slow`), training steps and
+# torch.compile (`train`) or GPUs; the same workers as `make test`.
+test-fast: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m 'not slow and not train and not gpu' --durations=10 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # GPU hosts: GPU_PY=python3 runs with an interpreter that already has the stack (e.g. an offline GPU image)
 # instead of setting up .venv.

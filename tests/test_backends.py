@@ -104,6 +104,7 @@ def test_compiled_packed_training_stays_on_the_kernel_the_compiler_traces():
                           report(host, fa4=True), selection_for("0", host), timings)
     assert chosen.train_attn == "flash_attention_4"
 
+@pytest.mark.train
 def test_the_probe_times_padded_and_packed_training_and_checks_packed_rows_against_sdpa_on_the_cpu():
     from finetune_flows.models.backends import measure_on_device, packed_layouts
 

@@ -103,7 +103,8 @@ class Keys:
             with open(tmp_path / "finetune_flows" / f"{module}.py", "a") as f:
                 f.write("\n# a code change\n")
             monkeypatch.setattr(fingerprint, "_PROJECT", tmp_path / "finetune_flows")
-            assert self.compute(cfg) != self.reference, f"a change to finetune_flows/{module}.py must change the {step} key"
+            assert self.compute(cfg) != self.reference, \
+                f"a change to finetune_flows/{module}.py must change the {step} key"
         monkeypatch.setattr(fingerprint, "_PROJECT", REPO / "finetune_flows")
 
 
@@ -158,8 +159,8 @@ def test_quantize_base_model_row(tmp_path, monkeypatch):
     for named in ("`model.source`", "`model.revision`", "`model.trust_remote_code`", "`quantization.*`",
                   "compute dtype", "device", "stored in", "`hardware.strategy`", "torch", "transformers",
                   "bitsandbytes", "accelerate",
-                  "`finetune_flows/models/quantize.py`", "`finetune_flows/models/sources.py`", "`data.*`", "`lora.*`", "`train.*`", "`eval.*`",
-                  "`run.*`"):
+                  "`finetune_flows/models/quantize.py`", "`finetune_flows/models/sources.py`", "`data.*`", "`lora.*`",
+                  "`train.*`", "`eval.*`", "`run.*`"):
         assert named in row, named
     keys = Keys(lambda cfg: quantize_fingerprint(cfg, PLAN), [])
     cfg = load_config(None)
@@ -211,7 +212,8 @@ def test_evaluate_adapter_row(tmp_path, monkeypatch):
     row = readme_row("evaluate-adapter")
     for named in ("dataset", "4-bit base", "adapter's files", "`eval.*`", "attention", "device", "torch",
                   "transformers", "peft", "bitsandbytes", "accelerate", "`finetune_flows/evaluation/evaluate.py`",
-                  "`finetune_flows/evaluation/worker.py`", "`finetune_flows/evaluation/metrics.py`", "`train.*`", "`lora.*`", "`run.*`"):
+                  "`finetune_flows/evaluation/worker.py`", "`finetune_flows/evaluation/metrics.py`", "`train.*`",
+                  "`lora.*`", "`run.*`"):
         assert named in row, named
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -235,7 +237,8 @@ def test_evaluate_adapter_row(tmp_path, monkeypatch):
 def test_evaluate_checkpoint_row(tmp_path, monkeypatch):
     row = readme_row("evaluate-checkpoint")
     for named in ("dataset", "4-bit base", "checkpoint's files", "model card", "`eval.*`", "attention", "device",
-                  "`finetune_flows/evaluation/evaluate.py`", "`finetune_flows/evaluation/worker.py`", "`train.*`", "`export.*`", "`run.*`"):
+                  "`finetune_flows/evaluation/evaluate.py`", "`finetune_flows/evaluation/worker.py`", "`train.*`",
+                  "`export.*`", "`run.*`"):
         assert named in row, named
     merged = tmp_path / "merged"
     merged.mkdir()

@@ -84,6 +84,7 @@ def compiled(model) -> bool:
     return all(layer._compiled_call_impl is not None for layer in model.get_base_model().model.layers)
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("steps,recorded,compiles", [
     (12, 0.0, True),  # compiling measured as free on this "GPU": worth it at once
     (12, 1e6, False),  # a compilation that 6 steps cannot repay

@@ -158,7 +158,8 @@ def test_select_gpus_uses_the_probes_reading_and_never_reads_nvml_again(monkeypa
     import finetune_flows.runtime.gpus
 
     # the inventory changed since the probe (another job took GPU 1's memory): the plan still stands
-    monkeypatch.setattr(finetune_flows.runtime.gpus, "read_inventory", lambda: [gpu(0, 99999), gpu(1, 10), gpu(2, 50000)])
+    monkeypatch.setattr(finetune_flows.runtime.gpus, "read_inventory",
+                        lambda: [gpu(0, 99999), gpu(1, 10), gpu(2, 50000)])
     assert select_gpus.fn("auto:1", FOUR).ids == plan_for(["hardware.gpus=auto:1"], FOUR).gpu_ids == [1]
 
 

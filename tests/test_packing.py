@@ -98,6 +98,7 @@ def test_varlen_rows_kernel_matches_dense_causal_attention_per_row():
         torch.testing.assert_close(out[a:b], ref)
 
 
+@pytest.mark.train
 def test_compiled_layers_call_the_flash_kernel_untraced(monkeypatch):
     """Decoder layers under torch.compile call the flash varlen function as itself, never traced by Dynamo (FA4's
     launcher is Python that JIT-compiles kernels). flash-attn cannot run on this CPU: a stand-in module records how
@@ -171,6 +172,7 @@ def test_torch_varlen_kernel_is_called_as_each_torch_version_spells_it(monkeypat
     assert seen == [(True, True)] * 2 if torch_api == "2.11" else seen == [(True, (-1, 0))] * 2
 
 
+@pytest.mark.train
 def test_compiled_decoder_layers_compile_once_for_every_layer_and_packed_length():
     """Training compiles each decoder layer (finetune_flows/training/compiling.py compile_decoder_layers). The first layer's input
     comes from the frozen embedding; unless it requires grad like every later layer's input, Dynamo compiles the

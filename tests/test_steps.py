@@ -1,4 +1,4 @@
-"""Steps are Prefect tasks to the flow, and plain modules to the worker processes that import them."""
+"""Steps are Prefect tasks to the flow; the worker processes import the engine, never Prefect."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import sys
 
 from conftest import REPO, child_env
 
-WORKER_MODULES = ["finetune_flows.training.worker", "finetune_flows.evaluation.worker", "finetune_flows.models.quantize", "finetune_flows.export.merge", "finetune_flows.runtime.environment",
-                  "finetune_flows.models.backends", "finetune_flows.training.ray_worker"]
+WORKER_MODULES = ["finetune_flows.training.worker", "finetune_flows.evaluation.worker", "finetune_flows.models.quantize",
+                  "finetune_flows.export.merge", "finetune_flows.runtime.environment", "finetune_flows.models.backends",
+                  "finetune_flows.training.ray_worker"]
 
 
 def test_worker_modules_import_without_prefect():

@@ -1,12 +1,10 @@
-"""`@step(...)`: how every pipeline step's Prefect task is declared.
+"""`@step(...)`: how every pipeline step's Prefect task is declared (tasks/<step>.py).
 
-A step module holds the Prefect task and the plain functions it calls, and the heavy part of a step runs in a worker
-process that imports the same module (`python -m finetune_flows.models.quantize job.json`, or `finetune_flows.training.worker` importing
-`finetune_flows.data.dataset`). The workers need the plain functions, never Prefect, whose import took 1.5-2.1 CPU-seconds in each
-of them (quantize, train rank, evaluation: 4 s of a tiny flow's 71 on the 2-core test host, and seconds before every
-step's real work on a GPU host). So a step is declared with `@step(...)` and becomes `prefect.task(...)` the first time
-the flow calls it or asks it for a Prefect attribute (`.submit`, `.with_options`, `.name`, ...); `.fn` is the plain
-function, as on a Prefect task.
+The heavy part of a step runs in a worker process that imports the engine (`python -m finetune_flows.models.quantize
+job.json`, or `finetune_flows.training.worker` importing `finetune_flows.data.dataset`), never Prefect, whose import
+took 1.5-2.1 CPU-seconds in each of them. A step is declared with `@step(...)` and becomes `prefect.task(...)` the
+first time the flow calls it or asks it for a Prefect attribute (`.submit`, `.with_options`, `.name`, ...); `.fn`
+is the plain function, as on a Prefect task.
 
 The options are Prefect's, with this project's defaults: no result persistence and no Prefect cache policy (nothing
 pickled is ever read back; steps reuse their own verified store entries, finetune_flows/store/entries.py).

@@ -290,8 +290,8 @@ def run_probe(workdir: Path, kernels: dict[str, str] | None = None, cache: Path 
             return report.model_copy(update={"gpus": gpus, "hub_reachable": _hub_reachable()})
     job = write_job(workdir, "environment", kernels=kernels or {})
     # CUDA_DEVICE_ORDER makes torch's numbering match nvidia-smi's, as for every worker.
-    result = run_worker("environment", python_module("finetune_flows.runtime.environment", job), {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
-                        workdir)
+    result = run_worker("environment", python_module("finetune_flows.runtime.environment", job),
+                        {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, workdir)
     report = EnvironmentReport.model_validate(result)
     if path is not None:
         write_atomic(path, report.model_dump_json(indent=2))

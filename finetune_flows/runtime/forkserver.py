@@ -43,7 +43,8 @@ from finetune_flows.runtime.lifecycle import (
 from finetune_flows.runtime.processes import alive
 
 SWITCH_ENV = "FINETUNE_FLOWS_FORK_SERVER"
-FORKABLE = ("finetune_flows.training.worker", "finetune_flows.evaluation.worker", "finetune_flows.models.quantize", "finetune_flows.export.merge")
+FORKABLE = ("finetune_flows.training.worker", "finetune_flows.evaluation.worker", "finetune_flows.models.quantize",
+            "finetune_flows.export.merge")
 PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
 # Read by the worker when it runs, never when a library is imported: a job may differ from its server in these.
 PER_JOB = frozenset({

@@ -1,7 +1,7 @@
 """Run heavy work in a child process with its own GPU environment, streaming its output into the Prefect logs.
 
-Workers are `python -m tasks.<module> <job.json>` (or torchrun of the same). They write their result as JSON. A
-worker's lifetime is tied to the task that started it:
+Workers are `python -m finetune_flows.<role>.<module> <job.json>` (or torchrun of the same). They write their result
+as JSON. A worker's lifetime is tied to the task that started it:
 - the child runs in its own session (a signal to its group reaches torchrun and the evaluator alike) and gets
   SIGTERM from the kernel if this process dies, even by SIGKILL (PR_SET_PDEATHSIG; finetune_flows/runtime/lifecycle.py);
 - whatever ends the wait here (cancellation, SIGTERM/SIGINT, an error) first sends SIGTERM to the worker's process

@@ -379,7 +379,8 @@ def quiet_optional_hub_kernel_warning() -> None:
 
 
 def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
-    """Entry point body for `python -m tasks.X job.json`: run fn(job), write its result or report why it failed."""
+    """Entry point body for `python -m finetune_flows.<role>.<module> job.json`: run fn(job), write its result or
+    report why it failed."""
     die_with_launcher()
     quiet_optional_hub_kernel_warning()
     job = json.loads(Path(sys.argv[1]).read_text())
