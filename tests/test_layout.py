@@ -35,3 +35,17 @@ def test_every_module_in_tasks_declares_a_prefect_task():
         steps = [v for v in vars(module).values() if isinstance(v, Step) and v.fn.__module__ == module.__name__]
         assert steps, f"tasks/{name}.py declares no Prefect task"
         assert any(s.fn.__name__ == name for s in steps), f"tasks/{name}.py: no task named {name}"
+
+
+def test_the_whole_engine_imports_without_prefect():
+    """Prefect is the tasks' and flows' business: every engine module imports without it (its workers must not pay
+    for Prefect's import; the modules that publish artifacts import Prefect inside those functions)."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, pkgutil, sys, finetune_flows\n"
+            "for m in pkgutil.walk_packages(finetune_flows.__path__, 'finetune_flows.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "    assert 'prefect' not in sys.modules, m.name + ' imported prefect'\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -17,7 +17,6 @@ from typing import Literal
 
 import yaml
 
-from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from pydantic import BaseModel
 
 from finetune_flows.config.schema import FinetuneConfig, load_config
@@ -153,6 +152,9 @@ def create_eval_run_dir(cfg: FinetuneConfig) -> Path:
 def finish_evaluation(run_dir: Path, evaluated: Evaluated, adapter_dir: Path | None,
                       report: EvalReport) -> EvaluationResult:
     """Write eval.json and evaluation.json into the run directory and publish where the evaluated model is."""
+    # Prefect here, not at the top: the engine imports without it
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact
+
     write_atomic(run_dir / "eval.json", report.model_dump_json(indent=2))
     publish_plots(run_dir, None, report)  # <run>/plots/eval.png and the `eval-comparison` artifact
     result = EvaluationResult(run_dir=run_dir, adapter_path=adapter_dir, eval=report,

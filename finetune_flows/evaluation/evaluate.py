@@ -16,7 +16,6 @@ from pathlib import Path
 
 from typing import Any, Callable
 
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
 from finetune_flows.orchestration.concurrency import device_slots
@@ -133,6 +132,9 @@ def checkpoint_key_parts(cfg: FinetuneConfig, data: PreparedDataset, base: Quant
 
 
 def publish_eval(report: EvalReport) -> None:
+    # Prefect here, not at the top: the engine imports without it
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
     models = report.models()
     create_table_artifact(report.table(), key="eval-metrics",
                           description=f"Held-out evaluation ({report.eval_rows} rows; {report.held_out_removed} "

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from prefect.artifacts import create_markdown_artifact
-
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.runtime.environment import EnvironmentReport
@@ -78,6 +76,9 @@ def place_merged(merged: MergedModel, run_dir: Path, cfg: FinetuneConfig, base: 
                  data: PreparedDataset, env: EnvironmentReport, eval_rows: list[dict], adapter: Path) -> ExportResult:
     """`<run>/merged/`: the checkpoint (hard links to the cache entry) and its model card; published as the
     `merged-model` artifact."""
+    # Prefect here, not at the top: the engine imports without it
+    from prefect.artifacts import create_markdown_artifact
+
     target = run_dir / "merged"
     link_tree(merged.path, target)
     if (adapter.parent / "config.resolved.yaml").is_file():  # flows/export.py: the adapter of an earlier run

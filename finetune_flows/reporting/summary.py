@@ -6,7 +6,6 @@ import json
 import shutil
 from pathlib import Path
 
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel
 
 from finetune_flows.orchestration.caching import StepRun
@@ -35,6 +34,9 @@ def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, steps: dic
                merged: ExportResult | None = None) -> FinetuneResult:
     """Copy the adapter and the TensorBoard logs into the run directory, draw the plots, compare with the
     previous run, publish the run's artifacts, and write summary.json last (it marks the run complete)."""
+    # Prefect here, not at the top: the engine imports without it
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+
     adapter = run_dir / "adapter"
     shutil.copytree(train.adapter_path, adapter)
     shutil.copy(report.path, run_dir / "eval.json")

@@ -29,7 +29,9 @@ from typing import Any, Callable
 from finetune_flows.runtime import forkserver
 from finetune_flows.errors import DiskFull, UserInputError, WorkerFailed, WorkerInterrupted, WorkerOOM
 from finetune_flows.logs import run_logger
-from finetune_flows.runtime.lifecycle import EVENT_PREFIX, GRACE_ENV, LAUNCHER_ENV, classify, failure_path, preexec_die_with
+from finetune_flows.runtime.lifecycle import (
+    EVENT_PREFIX, GRACE_ENV, LAUNCHER_ENV, classify, failure_path, preexec_die_with,
+)
 from finetune_flows.runtime.policy import worker_environment
 from finetune_flows.runtime.processes import ProcessId, signal_tree, tree, wait_gone, write_record
 
