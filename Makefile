@@ -21,11 +21,12 @@ EXTRAS ?= test,ray,tracking
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-gpu gpu-proof bench-train bench-eval bench-scale clean help
+.PHONY: setup run test test-fast test-gpu gpu-proof bench-train bench-eval bench-scale clean help
 
 help:
 	@echo "make run       - set up, then fine-tune the built-in demo (configs/demo.yaml)"
 	@echo "make test      - set up, then run the CPU test suite"
+	@echo "make test-fast - the tests that train no model and start no pipeline (the edit loop, ~5 min)"
 	@echo "make test-gpu  - GPU tests (needs NVIDIA GPUs)"
 	@echo "make gpu-proof - GPU tests + real flow runs on this GPU host, report in benchmarks/results/"
 	@echo "make bench-train - training speed, seed recipe vs this project, report in benchmarks/results/"
@@ -59,6 +60,11 @@ run: setup
 TEST_WORKERS ?= 3
 test: setup test-deps
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=20 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
+
+# The edit loop: unit tests and the workers' own tests, without the pipeline runs (`slow`), training steps and
+# torch.compile (`train`) or GPUs; the same workers as `make test`.
+test-fast: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m 'not slow and not train and not gpu' --durations=10 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # GPU hosts: GPU_PY=python3 runs with an interpreter that already has the stack (e.g. an offline GPU image)
 # instead of setting up .venv.
@@ -123,17 +129,17 @@ pool: setup
 
 # One global concurrency limit (one slot) per GPU of this host, plus its CPU slot.
 limits: setup
-	$(PY) -m tasks.concurrency
+	$(PY) -m finetune_flows.orchestration.concurrency
 
 deploy: pool limits
 	$(PREFECT) --no-prompt deploy --all --prefect-file deployments/prefect.yaml
 
 # Flow runs execute in this checkout (the pull step in deployments/prefect.yaml reads FINETUNE_FLOWS_ROOT), under
-# this host's policy (tasks/policy.py): what runs may read, write and execute. The first `make worker` writes it
+# this host's policy (finetune_flows/runtime/policy.py): what runs may read, write and execute. The first `make worker` writes it
 # with safe defaults; edit it on the host, run parameters cannot change it.
 FINETUNE_FLOWS_POLICY ?= $(HOME)/.config/finetune-flows/worker-policy.yaml
 worker: pool limits
-	$(PY) -m tasks.policy $(FINETUNE_FLOWS_POLICY)
+	$(PY) -m finetune_flows.runtime.policy $(FINETUNE_FLOWS_POLICY)
 	FINETUNE_FLOWS_POLICY=$(FINETUNE_FLOWS_POLICY) FINETUNE_FLOWS_ROOT=$(CURDIR) \
 	  $(PREFECT) worker start --pool $(POOL) --type process --name $(POOL)-$$(hostname)
 

@@ -19,7 +19,7 @@
 4. benchmarks/results/eval-bench-<N>xGPU-<time>/report.{md,json}: per variant generation seconds, generated
    tokens/s, time to first result, peak memory (GPU: max reserved; CPU: peak RSS), exact match, and greedy
    agreement with the reference. `seconds`/`speedup` are for what `eval.engine: auto` with
-   `hardware.attn_implementation: auto` runs here (the attention probe of tasks/backends.py decides).
+   `hardware.attn_implementation: auto` runs here (the attention probe of finetune_flows/models/backends.py decides).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def write_data(path: Path, rows: int, history: int, seed: int) -> None:
     """Ticket-triage rows whose prompt carries 0..history earlier customer messages (varied lengths)."""
-    from tasks.demo_data import SHAPES, SYSTEM, make_example
+    from finetune_flows.data.demo import SHAPES, SYSTEM, make_example
 
     rng = random.Random(seed)
     with open(path, "w") as f:
@@ -61,14 +61,15 @@ def prepare(args, work: Path, device: str):
     """Dataset, 4-bit base and adapter, by the pipeline's own steps (reused when already there)."""
     from prefect.testing.utilities import prefect_test_harness
 
-    from tasks.caching import run_step
-    from tasks.config import load_config
-    from tasks.dataset import prepare_dataset
-    from tasks.environment import Plan, _cpu_bf16, auto_eval_dtype
-    from tasks.gpus import read_inventory, selection_for
-    from tasks.models import materialize_tokenizer
-    from tasks.quantize import quantize_base_model
-    from tasks.train import train_adapter
+    from finetune_flows.orchestration.caching import run_step
+    from finetune_flows.config.schema import load_config
+    from tasks.prepare_dataset import prepare_dataset
+    from finetune_flows.config.plan import Plan
+    from finetune_flows.runtime.environment import _cpu_bf16, auto_eval_dtype
+    from finetune_flows.runtime.gpus import read_inventory, selection_for
+    from finetune_flows.models.sources import materialize_tokenizer
+    from tasks.quantize_base_model import quantize_base_model
+    from tasks.train_adapter import train_adapter
 
     # Short rows to train on (the adapter learns fast), varied-length prompts to evaluate.
     train_file, eval_file = work / "train.jsonl", work / "eval.jsonl"
@@ -143,7 +144,7 @@ def run_variant(name, model, generate, tokenizer, references, metric, device, re
     """Base then base + adapter, each after an untimed warm-up on 8 prompts, timed `repeats` times: the row's
     seconds are the median run's, with every run's kept (two engines within that spread are a tie). Greedy
     decoding must give the same answers on every repeat."""
-    from tasks.metrics import score_answer
+    from finetune_flows.evaluation.metrics import score_answer
 
     row = {"variant": name, "attention": model.config._attn_implementation}
     for side in ("base", "adapter"):
@@ -192,9 +193,9 @@ def usable_backends(device, requested: list[str] | None) -> list[str]:
     """Attention backends installed and usable on this GPU (sdpa alone on the CPU), as the pipeline judges them."""
     import torch
 
-    from tasks.backends import candidates, installed, usable
-    from tasks.environment import STACK, _version
-    from tasks.gpus import GpuInfo
+    from finetune_flows.models.backends import candidates, installed, usable
+    from finetune_flows.runtime.environment import STACK, _version
+    from finetune_flows.runtime.gpus import GpuInfo
 
     if device.type != "cuda":
         return ["sdpa"]
@@ -284,10 +285,10 @@ def main() -> int:
 
     import torch
 
-    from tasks.backends import attention_shape, choose, measure_on_device
-    from tasks.environment import STACK, _version
-    from tasks.eval_worker import _load_with_adapter, auto_batch_tokens
-    from tasks.generation import (
+    from finetune_flows.models.backends import attention_shape, choose, measure_on_device
+    from finetune_flows.runtime.environment import STACK, _version
+    from finetune_flows.evaluation.worker import _load_with_adapter, auto_batch_tokens
+    from finetune_flows.evaluation.generation import (
         choose_engine, continuous_supports, generate_continuous, generate_reference, generate_static,
         stop_token_ids,
     )

@@ -37,7 +37,7 @@ def run_gpu_tests(work: Path, paths: list[str], append: bool = False) -> dict:
     (`--tests reuse`) can put them in its report. With `append` the results join those an earlier call left there
     (the tier split over calls: `--test-paths`). The part is recorded before it starts: one that a time limit cuts
     short keeps its log and shows as not finished, and the next part is numbered after it."""
-    from tasks.store import write_atomic
+    from finetune_flows.store.entries import write_atomic
 
     summary = work / "gpu-tests.json"
     parts = json.loads(summary.read_text()).get("parts", []) if append and summary.is_file() else []
@@ -93,7 +93,7 @@ def gpu_tests(mode: str, work: Path, out: Path, paths: list[str] | None = None, 
         else:
             result = json.loads((work / "gpu-tests.json").read_text())
     finally:  # the logs go beside the report even when a signal stops the tier
-        from tasks.store import write_atomic
+        from finetune_flows.store.entries import write_atomic
 
         write_atomic(out / "gpu-tests.log", combined_log(work))
         for xml in sorted(work.glob("gpu-tests*.xml")):
@@ -128,8 +128,8 @@ COMPARED_WITH = {"1gpu-other-attn-eval": "1gpu-auto-attn", "demo-model-other-att
 def other_backend(auto: str | None, env) -> tuple[str | None, str]:
     """A backend other than auto's choice to compare it with: sdpa, or when auto chose sdpa, the first usable
     of flash_attention_4/3/2 on GPU 0; None (and why) when there is no other. flex_attention is never compared:
-    `auto` never chooses it (tasks/backends.py: transformers compiles it for every new input shape)."""
-    from tasks.backends import candidates
+    `auto` never chooses it (finetune_flows/models/backends.py: transformers compiles it for every new input shape)."""
+    from finetune_flows.models.backends import candidates
 
     if auto is None:
         return None, "the run with auto attention did not complete"
@@ -202,7 +202,7 @@ def markdown(report: dict) -> str:
 
 
 def save(report: dict, out: Path) -> None:
-    from tasks.store import write_atomic
+    from finetune_flows.store.entries import write_atomic
 
     write_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
     write_atomic(out / "report.md", markdown(report))
@@ -230,7 +230,7 @@ def main() -> int:
     if missing:
         parser.error(f"--test-paths: no such test file in {REPO}: {', '.join(missing)}")
 
-    from tasks.cli import Stopped, stop_on_signals
+    from finetune_flows.cli import Stopped, stop_on_signals
 
     try:  # SIGTERM (a time limit, a lent machine's end) unwinds like Ctrl-C: the running flow stops its workers
         with stop_on_signals():
@@ -243,8 +243,8 @@ def main() -> int:
 def prove(args: argparse.Namespace) -> int:
     from prefect.testing.utilities import prefect_test_harness  # noqa: F401 (fail early if prefect is missing)
 
-    from tasks.environment import run_probe
-    from tasks.models import check_model_source
+    from finetune_flows.runtime.environment import run_probe
+    from finetune_flows.models.sources import check_model_source
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tasks.dataset import load_split  # noqa: E402
-from tasks.train_worker import StepClock, steady_state  # noqa: E402
+from finetune_flows.data.dataset import load_split  # noqa: E402
+from finetune_flows.training.worker import StepClock, steady_state  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PEERS = ("unsloth", "trl", "trl-bf16")

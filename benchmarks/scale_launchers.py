@@ -11,11 +11,11 @@
   CUDA_VISIBLE_DEVICES: Ray hands a worker the raylet's GPU slot as an index into the raylet's own list) and its
   own loopback address (127.0.0.1, 127.0.0.2: Ray Train numbers local ranks per node address, so two raylets on
   one address would give the second worker local rank 1 on a "node" with one GPU); `hardware.launcher: ray`, the
-  training step's Ray Train driver (tasks/ray_train.py).
+  training step's Ray Train driver (finetune_flows/training/ray_worker.py).
 
 Both two-node launches force NCCL onto its socket transport over loopback, as between hosts with plain Ethernet
 (NCCL_SOCKETS below: NCCL's documented switches). Every launch runs the same command the training step runs
-(tasks/distributed.py `train_command`, through tasks/launcher.py `run_worker`) on one config, 4-bit base, training
+(finetune_flows/training/distributed.py `train_command`, through finetune_flows/runtime/launcher.py `run_worker`) on one config, 4-bit base, training
 plan (computed once, for the host's GPUs), workload, seed and number of steps; only the launch keys differ.
 NCCL_DEBUG=INFO lets the report say, from the ranks' own logs, which transport each launch's channels used and
 which GPU (PCI bus id) each rank held. Rows: steady tokens/s (median, min..max over 5-step windows after the
@@ -43,7 +43,7 @@ from benchmarks.scale_out import (
     config, fresh, head_lines, host_hardware, loss_difference, metrics_row, quantized_base, resolved, train_job,
     workload_dataset)
 from benchmarks.train_speed import MemoryPoller, gpu_name
-from tasks.launcher import STABLE_HASHES, training_env
+from finetune_flows.runtime.launcher import STABLE_HASHES, training_env
 
 LAUNCHERS = ("host", "torchrun-2node", "ray-2node")
 NODES = 2
@@ -99,7 +99,7 @@ class Node:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from tasks.launcher import run_worker
+        from finetune_flows.runtime.launcher import run_worker
 
         try:
             run_worker("train", self.argv, self.env, self.out)
@@ -108,7 +108,7 @@ class Node:
 
     def kill(self) -> None:
         """SIGKILL to the launcher's session and every process below it (ranks, compile workers)."""
-        from tasks.processes import read_record, signal_tree, tree
+        from finetune_flows.runtime.processes import read_record, signal_tree, tree
 
         ident = read_record(self.out / "train.pid")
         if ident is not None:
@@ -188,7 +188,7 @@ class LaunchBench:
     """The shared set-up (one config, base and training plan) and the three launches."""
 
     def __init__(self, args, env, state: Path, cache: Path, data: Path, stats: dict):
-        from tasks.train import training_plan
+        from finetune_flows.training.train import training_plan
 
         self.args, self.env, self.state, self.cache, self.data = args, env, state, cache, data
         self.ids = [g.index for g in env.gpus][:args.gpus]
@@ -203,7 +203,7 @@ class LaunchBench:
 
     def node(self, out: Path, hardware: list[str], ids: list[int], extra_env: dict[str, str]) -> Node:
         """The training step's launch command for this config on these GPUs, with its job in `out`."""
-        from tasks.distributed import train_command
+        from finetune_flows.training.distributed import train_command
 
         cfg = self.config(hardware)
         sel, plan = resolved(cfg, self.env, ids)

@@ -6,10 +6,10 @@
     python benchmarks/scale_out.py --smoke                    # tiny model, 2 CPU ranks over gloo (in `make test`)
     python benchmarks/scale_out.py --launchers host,torchrun-2node,ray-2node --shape qwen3-0.6b --gpus 2
 
-Every run trains the project's training worker (tasks/train_worker.py, with the memory planner, as a flow run
+Every run trains the project's training worker (finetune_flows/training/worker.py, with the memory planner, as a flow run
 would) on the same synthetic rows (the Markov workload of benchmarks/train_speed.py), with the same seed, steps and
 effective batch. Strategies: each on its own 4-bit base: bitsandbytes' packed weights stored as uint8 for DDP, in the
-compute dtype for FSDP (tasks/sharding.py). Reported per run: steady tokens/s (median and min..max over windows of 5
+compute dtype for FSDP (finetune_flows/training/sharding.py). Reported per run: steady tokens/s (median and min..max over windows of 5
 steps after warm-up, real tokens of all ranks), the peak memory the allocator reserved on the busiest rank, the peak
 nvidia-smi showed on any of the GPUs, the MiB of parameters each rank holds (the base weights' shard under FSDP),
 and the training loss curve; the report sets FSDP against DDP (memory, parameters and tokens/s ratios, the largest
@@ -45,7 +45,7 @@ def host_hardware(args, gpu_ids: list[int]) -> list[str]:
 
 
 def config(args, cache: Path, strategy: str, hardware: list[str]):
-    from tasks.config import load_config
+    from finetune_flows.config.schema import load_config
 
     return load_config(None, [f"model.source=generated:{args.shape}", f"run.cache_dir={cache}",
                               f"train.max_steps={args.steps}", "train.per_device_batch_size=8",
@@ -57,8 +57,8 @@ def config(args, cache: Path, strategy: str, hardware: list[str]):
 
 def resolved(cfg, env, ids: list[int]):
     """(GPU selection, plan) for this config on these GPUs (the CPU when none), refusing another strategy."""
-    from tasks.environment import resolve_plan
-    from tasks.gpus import selection_for
+    from finetune_flows.runtime.environment import resolve_plan
+    from finetune_flows.runtime.gpus import selection_for
 
     sel = selection_for(",".join(map(str, ids)) if ids else "cpu", env.gpus)
     plan = resolve_plan(cfg, env, sel)
@@ -69,10 +69,10 @@ def resolved(cfg, env, ids: list[int]):
 
 def quantized_base(cfg, plan, sel, work: Path):
     """The 4-bit base for this plan's strategy, through the store (shared with flow runs on the same cache)."""
-    from tasks.launcher import python_module, run_worker, write_job
-    from tasks.quantize import QuantizedModel, quantize_fingerprint
-    from tasks.sharding import quant_storage
-    from tasks.store import Entry, reuse_or_produce
+    from finetune_flows.runtime.launcher import python_module, run_worker, write_job
+    from finetune_flows.models.quantize import QuantizedModel, quantize_fingerprint
+    from finetune_flows.training.sharding import quant_storage
+    from finetune_flows.store.entries import Entry, reuse_or_produce
 
     if plan.device == "cuda":
         generate_on_gpu(cfg.model.source, cfg.cache_root, sel.ids[0])
@@ -82,14 +82,14 @@ def quantized_base(cfg, plan, sel, work: Path):
         job = write_job(work, "quantize", config=cfg.model_dump(mode="json"), out=str(entry.path),
                         compute_dtype=plan.compute_dtype, fingerprint=entry.key,
                         quant_storage=quant_storage(plan.strategy, plan.compute_dtype))
-        run_worker("quantize", python_module("tasks.quantize", job), sel.env, work)
+        run_worker("quantize", python_module("finetune_flows.models.quantize", job), sel.env, work)
         return QuantizedModel.model_validate_json((entry.path / "quantization.json").read_text())
 
     return reuse_or_produce(entry, QuantizedModel, produce, outputs=["."])[0]
 
 
 def workload_dataset(data: Path, stats: dict):
-    from tasks.dataset import PreparedDataset
+    from finetune_flows.data.dataset import PreparedDataset
 
     return PreparedDataset(path=data, fingerprint="bench", format="text", train_rows=stats["rows"],
                            eval_rows=stats["eval_rows"], train_tokens=stats["tokens"], truncated=0, dropped=0)
@@ -102,8 +102,8 @@ def fresh(out: Path) -> Path:
 
 
 def train_job(out: Path, cfg, plan, base, data: Path, tplan, label: str) -> Path:
-    from tasks.launcher import write_job
-    from tasks.train import liger_setting, upcast_setting
+    from finetune_flows.runtime.launcher import write_job
+    from finetune_flows.config.plan import liger_setting, upcast_setting
 
     return write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
                      base=str(base.path), data=str(data), load_in_4bit=base.load_in_4bit, fingerprint=label,
@@ -124,8 +124,8 @@ def metrics_row(r: dict, smi_peak_mib: float) -> dict:
 
 
 def run(args, env, state: Path, cache: Path, strategy: str, data: Path, stats: dict) -> dict:
-    from tasks.launcher import run_worker, torchrun_module, training_env
-    from tasks.train import training_plan
+    from finetune_flows.runtime.launcher import run_worker, torchrun_module, training_env
+    from finetune_flows.training.train import training_plan
 
     ids = [g.index for g in env.gpus][:args.gpus]
     cfg = config(args, cache, strategy, host_hardware(args, ids))
@@ -135,7 +135,7 @@ def run(args, env, state: Path, cache: Path, strategy: str, data: Path, stats: d
     tplan = training_plan(cfg, workload_dataset(data, stats), base, plan, sel)
     job = train_job(out, cfg, plan, base, data, tplan, strategy)
     with MemoryPoller(ids) as mem:
-        run_worker("train", torchrun_module("tasks.train_worker", job, plan.nproc), training_env(child_env(ids)),
+        run_worker("train", torchrun_module("finetune_flows.training.worker", job, plan.nproc), training_env(child_env(ids)),
                    out)
     r = json.loads((out / "train_metrics.json").read_text())
     row = {"strategy": strategy, "model": cfg.model.source, "device": gpu_name(ids),
@@ -207,10 +207,10 @@ def write_report(out: Path, report: dict, render) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tasks.environment import run_probe
+    from finetune_flows.runtime.environment import run_probe
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", help="a generated model shape (tasks/models.py ARCHS; default qwen3-8b, with "
+    parser.add_argument("--shape", help="a generated model shape (finetune_flows/models/sources.py ARCHS; default qwen3-8b, with "
                         "--launchers qwen3-0.6b)")
     parser.add_argument("--strategies", default="ddp,fsdp")
     parser.add_argument("--launchers", nargs="?", const="host,torchrun-2node,ray-2node",

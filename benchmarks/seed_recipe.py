@@ -4,7 +4,7 @@
 
 bitsandbytes NF4 with double quantization and bf16 compute, `prepare_model_for_kbit_training` with gradient
 checkpointing, PEFT LoRA r=16 alpha=32 dropout=0.05 on all 7 linear projections, padded micro-batches of 8 rows,
-sdpa attention, the Trainer. Measured with the same step clock as the project's own path (tasks/train_worker.py).
+sdpa attention, the Trainer. Measured with the same step clock as the project's own path (finetune_flows/training/worker.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tasks.dataset import load_split  # noqa: E402
-from tasks.train_worker import PadCollator, StepClock, steady_state  # noqa: E402
+from finetune_flows.data.dataset import load_split  # noqa: E402
+from finetune_flows.training.worker import PadCollator, StepClock, steady_state  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -11,7 +11,7 @@ entropy floor ln 4 = 1.39. Both runs see the same rows and train for the same
 number of optimizer steps with the same effective batch (32 rows per step and GPU) and learning rate.
 
 Runs: `seed` (benchmarks/seed_recipe.py: the Transformers NVIDIA-GPU guide's QLoRA recipe), `ours` (the project's
-training worker, tasks/train_worker.py, with its defaults and memory planner; `train.compile=true`, as `auto`
+training worker, finetune_flows/training/worker.py, with its defaults and memory planner; `train.compile=true`, as `auto`
 compiles in a run long enough to repay it), `ours-2gpu` (the same on two GPUs,
 DDP), and `ours-<label>` variants with extra config overrides (`--variant label:key=value,key=value`; a key in
 capitals, e.g. `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`, is an environment variable of that run's training
@@ -121,7 +121,7 @@ def workload_for(shape: str, rows: int, state: Path, cache: Path, smoke: bool) -
     """
     from transformers import AutoTokenizer
 
-    from tasks.models import ARCHS, materialize_tokenizer
+    from finetune_flows.models.sources import ARCHS, materialize_tokenizer
 
     tok = AutoTokenizer.from_pretrained(materialize_tokenizer(f"generated:{shape}", cache))
     vocab = min(ARCHS[shape].get("vocab_size") or len(tok), CHAIN_VOCAB)
@@ -238,7 +238,7 @@ def run_logged(argv: list[str], env: dict, log: Path, timeout: float) -> None:
 
 
 def child_env(ids: list[int]) -> dict:
-    from tasks.launcher import worker_env
+    from finetune_flows.runtime.launcher import worker_env
 
     return worker_env({"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))})
 
@@ -248,7 +248,7 @@ def eval_loss(base: Path, adapter: Path, data: Path, ids: list[int], log: Path) 
     code = (
         "import json,sys,torch; sys.path.insert(0, %r)\n"
         "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n"
-        "from tasks.dataset import load_split\nfrom tasks.train_worker import PadCollator\n"
+        "from finetune_flows.data.dataset import load_split\nfrom finetune_flows.training.worker import PadCollator\n"
         "dev = 'cuda:0' if torch.cuda.is_available() else 'cpu'\n"
         "dt = torch.bfloat16 if dev != 'cpu' else torch.float32\n"
         "m = AutoModelForCausalLM.from_pretrained(%r, device_map={'': dev}, dtype=dt, attn_implementation='sdpa')\n"
@@ -272,7 +272,7 @@ def generate_on_gpu(source: str, cache_root: Path, gpu: int = 0) -> None:
     where materialize_model looks. Only for the benchmark's private cache: the bytes differ from a CPU-made copy.
     In a child process: the benchmark's own process then holds no GPU memory beside the runs it measures (the 8B
     shape's weights left 16 GiB in its allocator, which nvidia-smi counted in every run's figure)."""
-    from tasks.models import _cache_entry
+    from finetune_flows.models.sources import _cache_entry
 
     if _cache_entry("models", source, cache_root, None).manifest_path.is_file():
         return  # made before (materialize_model verifies it)
@@ -285,7 +285,7 @@ def generate_on_gpu(source: str, cache_root: Path, gpu: int = 0) -> None:
 def generate_here(source: str, cache_root: Path) -> None:
     import torch
 
-    from tasks.models import _cache_entry, _materialize_generated, _materialized
+    from finetune_flows.models.sources import _cache_entry, _materialize_generated, _materialized
 
     def build(out: Path) -> None:
         with torch.device("cuda"):
@@ -312,7 +312,7 @@ def _layout(run: dict) -> str:
 
 
 def gpu_name(ids: list[int]) -> str:
-    from tasks.gpus import read_inventory
+    from finetune_flows.runtime.gpus import read_inventory
 
     names = {g.index: g.name for g in read_inventory()}
     return names.get(ids[0], "cpu") if ids else "cpu"
@@ -332,7 +332,7 @@ class Bench:
         self.gpu_ids = [g.index for g in env.gpus]
 
     def config(self, shape: str, extra: list[str]):
-        from tasks.config import load_config
+        from finetune_flows.config.schema import load_config
 
         a = self.args
         return load_config(None, [f"model.source=generated:{shape}", f"run.cache_dir={self.cache}",
@@ -344,11 +344,11 @@ class Bench:
 
     def base_model(self, shape: str) -> tuple[Path, "object", "object", "object"]:
         """(bf16 checkpoint, the project's 4-bit QuantizedModel, cfg, plan) for a generated shape, built once."""
-        from tasks.environment import resolve_plan
-        from tasks.gpus import selection_for
-        from tasks.launcher import python_module, run_worker, write_job
-        from tasks.models import materialize_model
-        from tasks.quantize import QuantizedModel, quantize_fingerprint
+        from finetune_flows.runtime.environment import resolve_plan
+        from finetune_flows.runtime.gpus import selection_for
+        from finetune_flows.runtime.launcher import python_module, run_worker, write_job
+        from finetune_flows.models.sources import materialize_model
+        from finetune_flows.models.quantize import QuantizedModel, quantize_fingerprint
 
         cfg = self.config(shape, [])
         sel = selection_for("0" if self.gpu_ids else "cpu", self.env.gpus)
@@ -362,7 +362,7 @@ class Bench:
             work = self.state / "work" / shape
             job = write_job(work, "quantize", config=cfg.model_dump(mode="json"), out=str(out),
                             compute_dtype=plan.compute_dtype, fingerprint=out.name)
-            run_worker("quantize", python_module("tasks.quantize", job), sel.env, work)
+            run_worker("quantize", python_module("finetune_flows.models.quantize", job), sel.env, work)
         print(f"[{shape}] base model ready in {time.perf_counter() - started:.0f} s", flush=True)
         return src, QuantizedModel.model_validate_json((out / "quantization.json").read_text()), cfg, plan
 
@@ -426,16 +426,17 @@ class Bench:
 
     def run_ours(self, shape: str, data: Path, stats: dict, label: str, gpus: int, overrides: list[str],
                  profile: bool, budget: int | None = None) -> None:
-        from tasks.dataset import PreparedDataset
-        from tasks.environment import measured_plan
-        from tasks.gpus import selection_for
-        from tasks.launcher import run_worker, torchrun_module, training_env, write_job
-        from tasks.train import liger_setting, training_plan, upcast_setting
+        from finetune_flows.data.dataset import PreparedDataset
+        from finetune_flows.runtime.environment import measured_plan
+        from finetune_flows.runtime.gpus import selection_for
+        from finetune_flows.runtime.launcher import run_worker, torchrun_module, training_env, write_job
+        from finetune_flows.config.plan import liger_setting, upcast_setting
+        from finetune_flows.training.train import training_plan
 
         overrides, env_overrides = split_overrides(overrides)
         _, base, _, _ = self.base_model(shape)
         # A bench run is a few dozen steps of what stands for a long run, whose steady state it measures: there,
-        # train.compile=auto compiles the layers after its first steps (tasks/compiling.py); here it never would.
+        # train.compile=auto compiles the layers after its first steps (finetune_flows/training/compiling.py); here it never would.
         if budget:
             overrides = [f"hardware.memory_budget_gib={budget}", *overrides]
         cfg = self.config(shape, ["train.compile=true", *overrides])
@@ -462,7 +463,7 @@ class Bench:
                         upcast_frozen=upcast_setting(cfg), **extra)
         worker_env = {**training_env(sel.env), **env_overrides}
         with MemoryPoller(ids) as mem:
-            run_worker("train", torchrun_module("tasks.train_worker", job, plan.nproc), worker_env, out)
+            run_worker("train", torchrun_module("finetune_flows.training.worker", job, plan.nproc), worker_env, out)
         result = json.loads((out / "train_metrics.json").read_text())
         result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids[:1], out / "eval.log")
         result["overrides"] = [*overrides, *(f"{k}={v}" for k, v in env_overrides.items())]
@@ -475,8 +476,8 @@ class Bench:
 
     def summarize(self, name: str, shape: str, ids: list[int], r: dict, mem: MemoryPoller, stats: dict,
                   run: str, budget: int | None) -> dict:
-        from tasks.planner import ModelShape
-        from tasks.models import ARCHS
+        from finetune_flows.training.planner import ModelShape
+        from finetune_flows.models.sources import ARCHS
 
         cfg = dict(ARCHS[shape])
         cfg.setdefault("vocab_size", stats["vocab"])
@@ -489,7 +490,7 @@ class Bench:
             mfu = round(steady * mshape.flops_per_token(stats["mean_length"]) / (peak * 1e12 * len(ids)), 4)
         total_gib = None
         if ids:
-            from tasks.gpus import read_inventory
+            from finetune_flows.runtime.gpus import read_inventory
 
             total_gib = round(next(g.memory_total_mib for g in read_inventory() if g.index == ids[0]) / 1024, 1)
         row = {
@@ -635,7 +636,7 @@ def markdown(rep: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tasks.environment import run_probe
+    from finetune_flows.runtime.environment import run_probe
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")

@@ -18,20 +18,23 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 
 from prefect import flow  # noqa: E402
 
-from tasks.adapters import (  # noqa: E402
+from finetune_flows.cli import run_cli  # noqa: E402
+from finetune_flows.config.preflight import preflight  # noqa: E402
+from finetune_flows.evaluation.adapters import (  # noqa: E402
     EvaluationResult, check_evaluation_dir, create_eval_run_dir, eval_run_name, finish_evaluation, named_adapter,
     render_evaluation, training_config, warn_if_other_base,
 )
-from tasks.caching import run_step  # noqa: E402
-from tasks.fingerprint import pin_hub_revisions  # noqa: E402
-from tasks.policy import check_adapter_path  # noqa: E402
-from tasks.dataset import prepare_dataset  # noqa: E402
-from tasks.environment import verify_environment  # noqa: E402
-from tasks.evaluate import beside_adapter, evaluate_adapter, evaluate_checkpoint, publish_eval  # noqa: E402
-from tasks.gpus import select_gpus  # noqa: E402
-from tasks.models import materialize_tokenizer  # noqa: E402
-from tasks.preflight import preflight  # noqa: E402
-from tasks.quantize import quantize_base_model  # noqa: E402
+from finetune_flows.evaluation.evaluate import beside_adapter, publish_eval  # noqa: E402
+from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
+from finetune_flows.orchestration.caching import run_step  # noqa: E402
+from finetune_flows.runtime.policy import check_adapter_path  # noqa: E402
+from finetune_flows.store.fingerprint import pin_hub_revisions  # noqa: E402
+from tasks.evaluate_adapter import evaluate_adapter  # noqa: E402
+from tasks.evaluate_checkpoint import evaluate_checkpoint  # noqa: E402
+from tasks.prepare_dataset import prepare_dataset  # noqa: E402
+from tasks.quantize_base_model import quantize_base_model  # noqa: E402
+from tasks.select_gpus import select_gpus  # noqa: E402
+from tasks.verify_environment import verify_environment  # noqa: E402
 
 
 @flow(name="evaluate", flow_run_name=eval_run_name, log_prints=True, persist_result=False)
@@ -65,8 +68,6 @@ def evaluate(adapter: str, config: str | None = None, overrides: list[str] | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tasks.cli import run_cli
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", "--merged", dest="adapter", required=True, metavar="DIR",
                         help="adapter directory (runs/<run>/adapter) or merged checkpoint (runs/<run>/merged)")

@@ -17,18 +17,20 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 
 from prefect import flow  # noqa: E402
 
-from tasks.adapters import check_adapter_dir, training_config, warn_if_other_base  # noqa: E402
-from tasks.caching import run_step  # noqa: E402
-from tasks.config import load_config  # noqa: E402
-from tasks.dataset import prepare_dataset  # noqa: E402
-from tasks.environment import verify_environment  # noqa: E402
-from tasks.export import ExportResult  # noqa: E402
-from tasks.fingerprint import pin_hub_revisions  # noqa: E402
-from tasks.gpus import select_gpus  # noqa: E402
-from tasks.model_card import adapter_eval_table, create_export_run_dir, export_merged_model  # noqa: E402
-from tasks.models import check_model_source, materialize_tokenizer  # noqa: E402
-from tasks.policy import check_adapter_path, checked_config  # noqa: E402
-from tasks.quantize import quantize_base_model  # noqa: E402
+from finetune_flows.config.schema import load_config  # noqa: E402
+from finetune_flows.errors import UserInputError  # noqa: E402
+from finetune_flows.evaluation.adapters import check_adapter_dir, training_config, warn_if_other_base  # noqa: E402
+from finetune_flows.export.merge import ExportResult  # noqa: E402
+from finetune_flows.export.model_card import adapter_eval_table, create_export_run_dir  # noqa: E402
+from finetune_flows.models.sources import check_model_source, materialize_tokenizer  # noqa: E402
+from finetune_flows.orchestration.caching import run_step  # noqa: E402
+from finetune_flows.runtime.policy import check_adapter_path, checked_config  # noqa: E402
+from finetune_flows.store.fingerprint import pin_hub_revisions  # noqa: E402
+from tasks.merge_adapter import export_merged_model  # noqa: E402
+from tasks.prepare_dataset import prepare_dataset  # noqa: E402
+from tasks.quantize_base_model import quantize_base_model  # noqa: E402
+from tasks.select_gpus import select_gpus  # noqa: E402
+from tasks.verify_environment import verify_environment  # noqa: E402
 
 
 @flow(name="export", flow_run_name="export {adapter}", log_prints=True, persist_result=False)
@@ -51,8 +53,6 @@ def export(adapter: str, config: str | None = None, overrides: list[str] | None 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tasks.errors import UserInputError
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", required=True, help="adapter directory (runs/<run>/adapter of a fine-tune run)")
     parser.add_argument("--config", help="run config YAML (default: the adapter's runs/<run>/config.resolved.yaml)")

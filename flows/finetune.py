@@ -15,20 +15,23 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 
 from prefect import flow  # noqa: E402
 
-from tasks.caching import run_step  # noqa: E402
-from tasks.fingerprint import pin_hub_revisions  # noqa: E402
-from tasks.dataset import prepare_dataset  # noqa: E402
-from tasks.environment import verify_environment  # noqa: E402
-from tasks.evaluate import evaluate_adapter, publish_eval  # noqa: E402
-from tasks.gpus import select_gpus  # noqa: E402
-from tasks.model_card import export_merged_model  # noqa: E402
-from tasks.models import materialize_tokenizer  # noqa: E402
-from tasks.preflight import preflight  # noqa: E402
-from tasks.quantize import quantize_base_model  # noqa: E402
-from tasks.runs import create_run_dir, flow_run_name  # noqa: E402
-from tasks.summary import FinetuneResult, finish_run  # noqa: E402
-from tasks.tracking import log_to_mlflow  # noqa: E402
-from tasks.train import train_adapter  # noqa: E402
+from finetune_flows.cli import print_to_pipe, run_cli  # noqa: E402
+from finetune_flows.config.preflight import preflight  # noqa: E402
+from finetune_flows.config.schema import config_reference  # noqa: E402
+from finetune_flows.evaluation.evaluate import publish_eval  # noqa: E402
+from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
+from finetune_flows.orchestration.caching import run_step  # noqa: E402
+from finetune_flows.reporting.summary import FinetuneResult, finish_run, print_table  # noqa: E402
+from finetune_flows.store.fingerprint import pin_hub_revisions  # noqa: E402
+from finetune_flows.store.runs import create_run_dir, flow_run_name  # noqa: E402
+from tasks.evaluate_adapter import evaluate_adapter  # noqa: E402
+from tasks.log_to_mlflow import log_to_mlflow  # noqa: E402
+from tasks.merge_adapter import export_merged_model  # noqa: E402
+from tasks.prepare_dataset import prepare_dataset  # noqa: E402
+from tasks.quantize_base_model import quantize_base_model  # noqa: E402
+from tasks.select_gpus import select_gpus  # noqa: E402
+from tasks.train_adapter import train_adapter  # noqa: E402
+from tasks.verify_environment import verify_environment  # noqa: E402
 
 DEFAULT_CONFIG = "configs/demo.yaml"
 
@@ -62,10 +65,6 @@ def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tasks.cli import print_to_pipe, run_cli
-    from tasks.config import config_reference
-    from tasks.summary import print_table
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="run config YAML (default: %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

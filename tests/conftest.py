@@ -22,7 +22,7 @@ os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
 # home); the store's per-entry locks make concurrent use safe, as for concurrent runs.
 os.environ.setdefault("FINETUNE_FLOWS_TEST_CACHE", str(_SESSION_TMP / "cache"))
 # The machine probe (a child importing torch and bitsandbytes, ~8 s of CPU) once per session, not once per test cache:
-# every CLI, deployment and in-process run of the session reads it from here (tasks.environment.probe_dir).
+# every CLI, deployment and in-process run of the session reads it from here (finetune_flows.runtime.environment.probe_dir).
 os.environ.setdefault("FINETUNE_FLOWS_PROBE_DIR", str(Path(os.environ["FINETUNE_FLOWS_TEST_CACHE"]) / "environment-probes"))
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def custom_code_checkpoint(out: Path) -> Path:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.models import build_generated_tokenizer
+    from finetune_flows.models.sources import build_generated_tokenizer
 
     build_generated_tokenizer(out)
     LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -209,7 +209,7 @@ def kill_rank_after_checkpoint(adapters: Path, rank: int, checkpoint_glob: str, 
     """In a thread: SIGKILL training rank `rank` (its pid file `adapters/*/ranks/rank-N.pid`) as soon as its output
     directory holds a file matching `checkpoint_glob`, as the OOM killer or a preemption would. Returns the thread
     and a dict that gets the killed pid."""
-    from tasks.processes import read_record
+    from finetune_flows.runtime.processes import read_record
 
     killed: dict[str, int] = {}
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
 
-from tasks.processes import alive, descendants
+from finetune_flows.runtime.processes import alive, descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -58,7 +58,7 @@ def stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
 class PrefectStack:
     """A Prefect server on 127.0.0.1:<free port> with its own home, and a worker for the deployments' pool.
 
-    The worker runs under its own policy file (tasks/policy.py): the safe defaults, with `allow` (a dict of
+    The worker runs under its own policy file (finetune_flows/runtime/policy.py): the safe defaults, with `allow` (a dict of
     policy fields) added, so a test lets its runs use its temporary directories and nothing touches $HOME.
     """
 
@@ -87,7 +87,7 @@ class PrefectStack:
 
     @staticmethod
     def write_policy(path: Path, allow: dict[str, Any]) -> Path:
-        from tasks.policy import Policy
+        from finetune_flows.runtime.policy import Policy
 
         policy = Policy.safe_defaults(ROOT)
         for key, value in allow.items():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.config import QuantizationConfig
-from tasks.models import materialize_model
-from tasks.quantize import QuantizedModel, bnb_config, count_4bit_layers, torch_dtype
-from tasks.runs import atomic_dir
+from finetune_flows.config.schema import QuantizationConfig
+from finetune_flows.models.sources import materialize_model
+from finetune_flows.models.quantize import QuantizedModel, bnb_config, count_4bit_layers, torch_dtype
+from finetune_flows.store.runs import atomic_dir
 
 
 def tiny_quantized(cache: Path, compute_dtype: str = "float32") -> QuantizedModel:

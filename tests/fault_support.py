@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from conftest import tiny_overrides
-from tasks.processes import ProcessId, read_record
+from finetune_flows.runtime.processes import ProcessId, read_record
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from tasks.errors import DataError
-from tasks.launcher import worker_main
-from tasks.processes import write_record
+from finetune_flows.errors import DataError
+from finetune_flows.runtime.lifecycle import worker_main
+from finetune_flows.runtime.processes import write_record
 
 
 def _run(job: dict) -> dict | None:

@@ -1,4 +1,4 @@
-"""Bookkeeping of training attempts (tasks/attempts.py): the split after out-of-memory, failures that repeat, and
+"""Bookkeeping of training attempts (finetune_flows/training/attempts.py): the split after out-of-memory, failures that repeat, and
 figures over all attempts. The fault suite runs the same code against real workers; these pin the arithmetic."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from tasks.attempts import (AttemptLog, adapt_after_oom, current_split, error_line, run_attempts, split_limit, whole_run,
-                            worker_error)
-from tasks.errors import RepeatedFailure, WorkerFailed, WorkerOOM, is_retryable
-from tasks.launcher import python_module, run_worker, write_job
+from finetune_flows.training.attempts import (
+    AttemptLog, adapt_after_oom, current_split, error_line, run_attempts, split_limit, whole_run, worker_error,
+)
+from finetune_flows.errors import RepeatedFailure, WorkerFailed, WorkerOOM, is_retryable
+from finetune_flows.runtime.launcher import python_module, run_worker, write_job
 
 
 def test_split_limit_is_one_row_per_piece_or_64():

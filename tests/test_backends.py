@@ -1,4 +1,4 @@
-"""Attention backends (tasks/backends.py) on injected GPU inventories: what the *selected* GPUs can run, and
+"""Attention backends (finetune_flows/models/backends.py) on injected GPU inventories: what the *selected* GPUs can run, and
 `auto` as the fastest correct backend measured on them, for training and evaluation separately."""
 
 from __future__ import annotations
@@ -7,11 +7,13 @@ import json
 
 import pytest
 
-from tasks.backends import BackendTiming, candidates, measured_timings, probe_key, resolve_attention, usable
-from tasks.config import load_config
-from tasks.environment import resolve_plan
-from tasks.errors import ConfigError, EnvironmentMismatch
-from tasks.gpus import selection_for
+from finetune_flows.models.backends import (
+    BackendTiming, candidates, measured_timings, probe_key, resolve_attention, usable,
+)
+from finetune_flows.config.schema import load_config
+from finetune_flows.runtime.environment import resolve_plan
+from finetune_flows.errors import ConfigError, EnvironmentMismatch
+from finetune_flows.runtime.gpus import selection_for
 from test_gpus import gpu, report
 
 H100 = gpu(0, 80000, name="NVIDIA H100", cc=(9, 0))
@@ -102,8 +104,9 @@ def test_compiled_packed_training_stays_on_the_kernel_the_compiler_traces():
                           report(host, fa4=True), selection_for("0", host), timings)
     assert chosen.train_attn == "flash_attention_4"
 
+@pytest.mark.train
 def test_the_probe_times_padded_and_packed_training_and_checks_packed_rows_against_sdpa_on_the_cpu():
-    from tasks.backends import measure_on_device, packed_layouts
+    from finetune_flows.models.backends import measure_on_device, packed_layouts
 
     for cu in packed_layouts(3, budget=2048):
         assert cu[0] == 0 and cu[-1] == 2048 and all(b > a for a, b in zip(cu, cu[1:]))
@@ -196,7 +199,7 @@ def test_probe_results_are_cached_per_gpu_model_and_versions(tmp_path):
 
 
 def test_eval_dtype_auto_is_bf16_only_on_bf16_cpus_for_wide_models():
-    from tasks.environment import auto_eval_dtype
+    from finetune_flows.runtime.environment import auto_eval_dtype
 
     wide, narrow = load_config(None, ["model.source=generated:qwen3-0.6b"]), load_config(None, [])
     tiny = load_config(None, ["model.source=generated:tiny-llama"])

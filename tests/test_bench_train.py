@@ -63,7 +63,7 @@ def test_the_workload_never_emits_a_special_token_the_generated_models_pad_row_i
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from tasks.models import materialize_model, materialize_tokenizer
+    from finetune_flows.models.sources import materialize_model, materialize_tokenizer
 
     bench = load_benchmark("train_speed")
     cache = tmp_path / "cache"

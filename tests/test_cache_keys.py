@@ -11,15 +11,17 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-import tasks.fingerprint as fingerprint
-from tasks.config import DataConfig, EvalConfig, LoraConfig, QuantizationConfig, TrainConfig, load_config
-from tasks.dataset import PreparedDataset, data_fingerprint
-from tasks.environment import Plan
-from tasks.fingerprint import combine
-from tasks.evaluate import checkpoint_key_parts, eval_fingerprint
-from tasks.models import materialize_tokenizer
-from tasks.quantize import QuantizedModel, quantize_fingerprint
-from tasks.train import TRAIN_KEYS_NOT_IN_CACHE_KEY, train_fingerprint
+import finetune_flows.store.fingerprint as fingerprint
+from finetune_flows.config.schema import (
+    DataConfig, EvalConfig, LoraConfig, QuantizationConfig, TrainConfig, load_config,
+)
+from finetune_flows.data.dataset import PreparedDataset, data_fingerprint
+from finetune_flows.config.plan import Plan
+from finetune_flows.store.fingerprint import combine
+from finetune_flows.evaluation.evaluate import checkpoint_key_parts, eval_fingerprint
+from finetune_flows.models.sources import materialize_tokenizer
+from finetune_flows.models.quantize import QuantizedModel, quantize_fingerprint
+from finetune_flows.training.train import TRAIN_KEYS_NOT_IN_CACHE_KEY, train_fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
 PLAN = Plan(device="cpu", gpu_ids=[], nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
@@ -34,7 +36,7 @@ def readme_row(step: str) -> str:
     for lib in fingerprint.STEP_LIBRARIES[step]:
         assert lib.split("-")[0] in row, f"the README row of {step} does not name {lib}"
     for module in fingerprint.STEP_CODE[step]:
-        assert f"{module}.py" in row, f"the README row of {step} does not name tasks/{module}.py"
+        assert f"{module}.py" in row, f"the README row of {step} does not name finetune_flows/{module}.py"
     return row
 
 
@@ -95,15 +97,16 @@ class Keys:
             assert self.compute(cfg) != self.reference, f"a {lib} upgrade must change the {step} key"
         monkeypatch.setattr(fingerprint, "package_version", real)
         for module in fingerprint.STEP_CODE[step]:
-            if not (REPO / "tasks" / f"{module}.py").is_file():
+            if not (REPO / "finetune_flows" / f"{module}.py").is_file():
                 continue
-            shutil.rmtree(tmp_path / "tasks", ignore_errors=True)
-            shutil.copytree(REPO / "tasks", tmp_path / "tasks")
-            with open(tmp_path / "tasks" / f"{module}.py", "a") as f:
+            shutil.rmtree(tmp_path / "finetune_flows", ignore_errors=True)
+            shutil.copytree(REPO / "finetune_flows", tmp_path / "finetune_flows")
+            with open(tmp_path / "finetune_flows" / f"{module}.py", "a") as f:
                 f.write("\n# a code change\n")
-            monkeypatch.setattr(fingerprint, "_PROJECT", tmp_path / "tasks")
-            assert self.compute(cfg) != self.reference, f"a change to tasks/{module}.py must change the {step} key"
-        monkeypatch.setattr(fingerprint, "_PROJECT", REPO / "tasks")
+            monkeypatch.setattr(fingerprint, "_PROJECT", tmp_path / "finetune_flows")
+            assert self.compute(cfg) != self.reference, \
+                f"a change to finetune_flows/{module}.py must change the {step} key"
+        monkeypatch.setattr(fingerprint, "_PROJECT", REPO / "finetune_flows")
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +127,8 @@ def base_model(fp: str = "b1") -> QuantizedModel:
 def test_prepare_dataset_row(tmp_path, tokenizer_dir, monkeypatch):
     row = readme_row("prepare-dataset")
     for named in ("`data.source`", "`data.eval_source`", "`data.hub_revision`", "`data.*`", "tokenizer",
-                  "`model.revision`", "transformers", "tokenizers", "datasets", "`tasks/dataset.py`",
-                  "`tasks/demo_data.py`", "`quantization.*`", "`lora.*`", "`train.*`", "`eval.*`", "`run.*`"):
+                  "`model.revision`", "transformers", "tokenizers", "datasets", "`finetune_flows/data/dataset.py`",
+                  "`finetune_flows/data/demo.py`", "`quantization.*`", "`lora.*`", "`train.*`", "`eval.*`", "`run.*`"):
         assert named in row, named
     train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     train.write_text('{"prompt": "a", "response": "b"}\n')
@@ -174,8 +177,8 @@ def test_quantize_base_model_row(tmp_path, monkeypatch):
     for named in ("`model.source`", "`model.revision`", "`model.trust_remote_code`", "`quantization.*`",
                   "compute dtype", "device", "stored in", "`hardware.strategy`", "torch", "transformers",
                   "bitsandbytes", "accelerate",
-                  "`tasks/quantize.py`", "`tasks/models.py`", "`data.*`", "`lora.*`", "`train.*`", "`eval.*`",
-                  "`run.*`"):
+                  "`finetune_flows/models/quantize.py`", "`finetune_flows/models/sources.py`", "`data.*`", "`lora.*`",
+                  "`train.*`", "`eval.*`", "`run.*`"):
         assert named in row, named
     keys = Keys(lambda cfg: quantize_fingerprint(cfg, PLAN), [])
     cfg = load_config(None)
@@ -201,7 +204,7 @@ def test_train_adapter_row(tmp_path, monkeypatch):
     row = readme_row("train-adapter")
     for named in ("dataset", "4-bit base", "`lora.*`", "`train.*`", "`TRAIN_KEYS_NOT_IN_CACHE_KEY`", "ranks",
                   "device", "precision", "attention", "torch", "transformers", "peft", "bitsandbytes", "accelerate",
-                  "`tasks/train.py`", "`tasks/train_worker.py`", "`eval.*`", "`run.*`",
+                  "`finetune_flows/training/train.py`", "`finetune_flows/training/worker.py`", "`eval.*`", "`run.*`",
                   "`hardware.launcher`", "`hardware.nodes`", "`hardware.gpus_per_node`", "`hardware.strategy`",
                   *(f"`train.{k}`" for k in TRAIN_KEYS_NOT_IN_CACHE_KEY)):
         assert named in row, named
@@ -226,8 +229,9 @@ def test_train_adapter_row(tmp_path, monkeypatch):
 def test_evaluate_adapter_row(tmp_path, monkeypatch):
     row = readme_row("evaluate-adapter")
     for named in ("dataset", "4-bit base", "adapter's files", "`eval.*`", "attention", "device", "torch",
-                  "transformers", "peft", "bitsandbytes", "accelerate", "`tasks/evaluate.py`",
-                  "`tasks/eval_worker.py`", "`tasks/metrics.py`", "`train.*`", "`lora.*`", "`run.*`"):
+                  "transformers", "peft", "bitsandbytes", "accelerate", "`finetune_flows/evaluation/evaluate.py`",
+                  "`finetune_flows/evaluation/worker.py`", "`finetune_flows/evaluation/metrics.py`", "`train.*`",
+                  "`lora.*`", "`run.*`"):
         assert named in row, named
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -251,7 +255,8 @@ def test_evaluate_adapter_row(tmp_path, monkeypatch):
 def test_evaluate_checkpoint_row(tmp_path, monkeypatch):
     row = readme_row("evaluate-checkpoint")
     for named in ("dataset", "4-bit base", "checkpoint's files", "model card", "`eval.*`", "attention", "device",
-                  "`tasks/evaluate.py`", "`tasks/eval_worker.py`", "`train.*`", "`export.*`", "`run.*`"):
+                  "`finetune_flows/evaluation/evaluate.py`", "`finetune_flows/evaluation/worker.py`", "`train.*`",
+                  "`export.*`", "`run.*`"):
         assert named in row, named
     merged = tmp_path / "merged"
     merged.mkdir()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.compare import comparison_rows, main, previous_run, render_comparison
+from finetune_flows.reporting.compare import comparison_rows, main, previous_run, render_comparison
 
 
 def summary(adapter_loss: float, score: float, tokens_per_second: float = 100.0) -> dict:

@@ -1,5 +1,5 @@
 """train.compile=auto: the decoder layers start eager and are compiled once the measured steps show that the rest of
-the run repays the compilation (tasks/compiling.py). The decision, the record of what compiling took, and the real
+the run repays the compilation (finetune_flows/training/compiling.py). The decision, the record of what compiling took, and the real
 thing: a Trainer on the CPU whose layers are compiled mid-run (Dynamo's own backend, so no kernels are built)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks import compiling
-from tasks.attention import use_packed_attention
-from tasks.distributed import gather
-from tasks.packing import PackedCollator
-from tasks.train_worker import StepClock, _callbacks, steady_state
+from finetune_flows.training import compiling
+from finetune_flows.models.attention import use_packed_attention
+from finetune_flows.training.distributed import gather
+from finetune_flows.data.packing import PackedCollator
+from finetune_flows.training.worker import StepClock, _callbacks, steady_state
 from tests.test_packing import random_rows, tiny_qwen3
 
 
@@ -84,6 +84,7 @@ def compiled(model) -> bool:
     return all(layer._compiled_call_impl is not None for layer in model.get_base_model().model.layers)
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("steps,recorded,compiles", [
     (12, 0.0, True),  # compiling measured as free on this "GPU": worth it at once
     (12, 1e6, False),  # a compilation that 6 steps cannot repay

@@ -1,6 +1,6 @@
 """Device slot names (the Prefect side is tested with a real server in tests/test_deployments.py)."""
 
-from tasks.concurrency import slot_names
+from finetune_flows.orchestration.concurrency import slot_names
 
 
 def test_slot_names_are_per_device_and_host():

@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.config import FinetuneConfig, config_reference, load_config
-from tasks.errors import ConfigError
+from finetune_flows.config.schema import FinetuneConfig, config_reference, load_config
+from finetune_flows.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 

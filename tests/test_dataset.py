@@ -7,10 +7,10 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from tasks.config import load_config
-from tasks.dataset import IGNORE_INDEX, build_dataset, load_split, normalize, read_rows, tokenize_example
-from tasks.errors import DataError
-from tasks.models import materialize_tokenizer
+from finetune_flows.config.schema import load_config
+from finetune_flows.data.dataset import IGNORE_INDEX, build_dataset, load_split, normalize, read_rows, tokenize_example
+from finetune_flows.errors import DataError
+from finetune_flows.models.sources import materialize_tokenizer
 
 ROWS = [{"prompt": f"Say {w}", "response": w.upper()} for w in ("red", "green", "blue", "cyan", "pink")] * 4
 
@@ -172,7 +172,7 @@ def test_build_dataset_splits_and_saves(tmp_path, tokenizer_dir):
 
 
 def test_builtin_demo_task_is_deterministic():
-    from tasks.demo_data import ticket_triage
+    from finetune_flows.data.demo import ticket_triage
 
     assert ticket_triage(50, seed=1) == ticket_triage(50, seed=1)
     answers = {ex["response"] for ex in ticket_triage(400, seed=1)}

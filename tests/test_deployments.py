@@ -54,7 +54,7 @@ def test_deployment_parameters_validate_against_the_config_model(deployment):
 
     from prefect.flows import load_flow_from_entrypoint
 
-    from tasks.config import load_config
+    from finetune_flows.config.schema import load_config
 
     flow = load_flow_from_entrypoint(str(ROOT / deployment["entrypoint"]))
     signature = inspect.signature(flow.fn)
@@ -74,14 +74,14 @@ def test_nightly_deployment_is_scheduled_with_a_timezone_and_names_its_data():
     nightly = next(d for d in deployments() if d["name"] == "nightly")
     (schedule,) = nightly["schedules"]
     assert len(schedule["cron"].split()) == 5 and schedule["timezone"] and schedule["active"] is True
-    from tasks.config import load_config
+    from finetune_flows.config.schema import load_config
 
     assert load_config(ROOT / nightly["parameters"]["config"]).data.source == "data/nightly-tickets.jsonl"
 
 
 def test_evaluate_refuses_a_directory_that_is_not_an_adapter(tmp_path, capsys):
     from flows.evaluate import main
-    from tasks.adapters import AdapterError, check_adapter_dir
+    from finetune_flows.evaluation.adapters import AdapterError, check_adapter_dir
 
     with pytest.raises(AdapterError, match="adapter directory not found"):
         check_adapter_dir(tmp_path / "nope")
@@ -97,7 +97,7 @@ def test_evaluate_refuses_a_directory_that_is_neither_adapter_nor_checkpoint(tmp
     """One line, exit status 2, and neither torch nor transformers imported: nothing was loaded."""
     import subprocess
 
-    from tasks.adapters import AdapterError, check_evaluation_dir
+    from finetune_flows.evaluation.adapters import AdapterError, check_evaluation_dir
 
     neither = tmp_path / "neither"
     neither.mkdir()
@@ -160,7 +160,7 @@ def test_deploy_creates_pool_deployments_and_device_limits(stack):
 def test_device_limits_are_created_idempotently(stack):
     from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 
-    argv = [sys.executable, "-m", "tasks.concurrency", "--gpus", "0,1", "--host", "other.host"]
+    argv = [sys.executable, "-m", "finetune_flows.orchestration.concurrency", "--gpus", "0,1", "--host", "other.host"]
     stack.run(argv)
     with stack.client() as client:
         client.update_global_concurrency_limit("device-other-host-gpu1", GlobalConcurrencyLimitUpdate(limit=3))

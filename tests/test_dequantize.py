@@ -1,11 +1,11 @@
-"""The evaluation copy (tasks/dequantize.py) holds exactly the weights the 4-bit model computes with."""
+"""The evaluation copy (finetune_flows/models/dequantize.py) holds exactly the weights the 4-bit model computes with."""
 
 from __future__ import annotations
 
 import pytest
 
 from eval_support import tiny_quantized
-from tasks.dequantize import RECORD, dequantize_linear4bit, dequantized_copy
+from finetune_flows.models.dequantize import RECORD, dequantize_linear4bit, dequantized_copy
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -83,10 +83,10 @@ def test_training_on_the_dequantized_base_computes_the_qlora_loss_and_gradients(
     loss and gradients as on the 4-bit model (fp32 here; only the matmul kernels differ)."""
     import torch
 
-    from tasks.config import FinetuneConfig
-    from tasks.environment import Plan
-    from tasks.planner import TrainingPlan
-    from tasks.train_worker import build_model
+    from finetune_flows.config.schema import FinetuneConfig
+    from finetune_flows.config.plan import Plan
+    from finetune_flows.training.planner import TrainingPlan
+    from finetune_flows.training.worker import build_model
 
     base = tiny_quantized(shared_cache / "dequantize", "float32")
     cfg = FinetuneConfig.model_validate({"lora": {"dropout": 0.0}})
@@ -126,7 +126,7 @@ def test_dequantizing_in_place_frees_the_4bit_layers_before_it_returns(base):
 
     import bitsandbytes as bnb
 
-    from tasks.dequantize import dequantize_model
+    from finetune_flows.models.dequantize import dequantize_model
 
     model = _load(base.path, "float32")
     layers = [weakref.ref(m) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -139,8 +139,8 @@ def test_a_trusted_custom_code_checkpoint_gets_its_evaluation_copy_without_a_que
     """model.trust_remote_code reaches every load of the copy (the tokenizer's too): transformers neither asks "Do
     you wish to run the custom code? [y/N]" nor refuses."""
     from conftest import custom_code_checkpoint
-    from tasks.export import _parameter_count
-    from tasks.quantize import QuantizedModel
+    from finetune_flows.export.merge import _parameter_count
+    from finetune_flows.models.quantize import QuantizedModel
 
     checkpoint = custom_code_checkpoint(tmp_path / "custom")
     base = QuantizedModel(path=checkpoint, fingerprint="custom", load_in_4bit=True, compute_dtype="float32",

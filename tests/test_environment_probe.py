@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tasks.environment import PROBE_DIR_ENV, PROBE_FORMAT, EnvironmentReport, probe_key, run_probe
+from finetune_flows.runtime.environment import PROBE_DIR_ENV, PROBE_FORMAT, EnvironmentReport, probe_key, run_probe
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +27,7 @@ def test_second_probe_is_reused_and_a_different_stack_probes_again(tmp_path, mon
     assert again == first
 
     # another kernels config (and so another stack version or GPU set) is another key: probed anew
-    monkeypatch.setattr("tasks.environment._version", lambda dist: "0.0.0-other")
+    monkeypatch.setattr("finetune_flows.runtime.environment._version", lambda dist: "0.0.0-other")
     assert probe_key(None, []) != saved.stem
     run_probe(tmp_path / "w3", cache=cache)
     assert (tmp_path / "w3" / "environment.job.json").is_file()

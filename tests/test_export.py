@@ -1,6 +1,6 @@
 """Ship it: the adapter merged into the exact 4-bit base it was trained on (CPU, tiny generated model).
 
-The export worker runs as in production (`python -m tasks.export job.json` through run_worker); the tests then
+The export worker runs as in production (`python -m finetune_flows.export.merge job.json` through run_worker); the tests then
 check its result independently: the merged checkpoint loads with plain transformers and computes what base +
 adapter computes.
 """
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from eval_support import tiny_quantized
-from tasks.config import load_config
-from tasks.environment import Plan
-from tasks.errors import UserInputError
-from tasks.export import RECORD, MergedModel, compare_logits
-from tasks.launcher import python_module, run_worker, write_job
+from finetune_flows.config.schema import load_config
+from finetune_flows.config.plan import Plan
+from finetune_flows.errors import UserInputError
+from finetune_flows.export.merge import RECORD, MergedModel, compare_logits
+from finetune_flows.runtime.launcher import python_module, run_worker, write_job
 
 PLAN = Plan(device="cpu", gpu_ids=[], nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
             eval_attn="sdpa")
@@ -60,7 +60,7 @@ def export(base, adapter, data, out: Path, **settings) -> dict:
     job = write_job(out.parent / f"{out.name}.work", "export", config=cfg.model_dump(mode="json"),
                     plan=PLAN.model_dump(), base=str(base.path), adapter=str(adapter), data=str(data), out=str(out),
                     fingerprint=out.name, required=True)
-    return run_worker("export", python_module("tasks.export", job), {}, job.parent)
+    return run_worker("export", python_module("finetune_flows.export.merge", job), {}, job.parent)
 
 
 def reference_logits(base, adapter, prompts):
@@ -71,7 +71,7 @@ def reference_logits(base, adapter, prompts):
 
     model = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(base.path, device_map={"": "cpu"}, dtype=torch.float32), adapter)
-    model.train()  # in eval mode bnb's CPU kernel rounds to bf16 (see tasks/export.py); no dropout here
+    model.train()  # in eval mode bnb's CPU kernel rounds to bf16 (see finetune_flows/export/merge.py); no dropout here
     return logits_of(model, AutoTokenizer.from_pretrained(adapter), prompts)
 
 

@@ -2,7 +2,7 @@
 (tiny generated model, CPU, real Prefect, real torchrun) and the outcome checked. docs/faults.md's fault table lists
 the whole suite (also tests/test_faults_signals.py and tests/test_faults_stack.py).
 
-Faults inside the ranks are injected through FINETUNE_FLOWS_FAULTS (tasks/lifecycle.py: a real
+Faults inside the ranks are injected through FINETUNE_FLOWS_FAULTS (finetune_flows/runtime/lifecycle.py: a real
 torch.OutOfMemoryError, a real SIGKILL); the full disk is a size-limited tmpfs.
 """
 
@@ -18,10 +18,10 @@ import pytest
 
 from fault_support import overrides
 from flows.finetune import finetune
-from tasks.errors import DiskFull
-from tasks.gpus import read_inventory
-from tasks.lifecycle import FAULTS_ENV
-from tasks.train_worker import checkpoint_is_complete
+from finetune_flows.errors import DiskFull
+from finetune_flows.runtime.gpus import read_inventory
+from finetune_flows.runtime.lifecycle import FAULTS_ENV
+from finetune_flows.training.checkpoints import checkpoint_is_complete
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import child_env, tiny_overrides
 from fault_support import start_cli, training_in_progress
-from tasks.processes import ProcessId, tree, wait_gone
+from finetune_flows.runtime.processes import ProcessId, tree, wait_gone
 
 pytestmark = pytest.mark.slow
 

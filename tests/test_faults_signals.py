@@ -14,9 +14,9 @@ import pytest
 from conftest import child_env
 from fault_support import device_slot, overrides, start_cli, training_in_progress
 from flows.finetune import finetune
-from tasks.gpus import read_inventory
-from tasks.processes import tree
-from tasks.train_worker import checkpoint_is_complete
+from finetune_flows.runtime.gpus import read_inventory
+from finetune_flows.runtime.processes import tree
+from finetune_flows.training.checkpoints import checkpoint_is_complete
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def device_slots(prefect_server):
     removed afterwards."""
     from prefect.client.orchestration import get_client
 
-    from tasks.concurrency import ensure_device_limits
+    from finetune_flows.orchestration.concurrency import ensure_device_limits
 
     names = ensure_device_limits()
     yield names
@@ -100,7 +100,7 @@ def test_sigterm_stops_every_gpu_rank_at_the_same_step_and_the_next_run_resumes(
     """On every GPU of the host (NCCL when there are two or more): the stop flag goes through NCCL's all-reduce.
     Steps slowed to 0.2 s, so the tiny model is still training when the signal comes, and not compiled: the signal
     must not land in a minutes-long compilation (the stop path is the subject; test_gpu.py trains compiled)."""
-    from tasks.lifecycle import FAULTS_ENV
+    from finetune_flows.runtime.lifecycle import FAULTS_ENV
 
     args, step = stop_a_cli_run(cache, tmp_path, signal.SIGTERM, device_slots, seed=801,
                                 env={FAULTS_ENV: json.dumps({"step_seconds": 0.2})},

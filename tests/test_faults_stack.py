@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from fault_support import overrides, training_in_progress
-from tasks.processes import ProcessId, parent_of, wait_gone
-from tasks.train_worker import checkpoint_is_complete
+from finetune_flows.runtime.processes import ProcessId, parent_of, wait_gone
+from finetune_flows.training.checkpoints import checkpoint_is_complete
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def run_processes(rank: ProcessId) -> list[ProcessId]:
 
 
 def stack_slot(stack) -> int:
-    from tasks.concurrency import slot_names
+    from finetune_flows.orchestration.concurrency import slot_names
 
     with stack.client() as client:
         return client.read_global_concurrency_limit_by_name(slot_names([])[0]).active_slots

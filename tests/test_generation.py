@@ -1,4 +1,4 @@
-"""Generation engines (tasks/generation.py) and the loss pass on the CPU: the fast engines give the very greedy
+"""Generation engines (finetune_flows/evaluation/generation.py) and the loss pass on the CPU: the fast engines give the very greedy
 tokens of `generate()`, with the adapter on and off, and refuse what they cannot run with a clear message."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from eval_support import tiny_quantized
-from tasks.dequantize import dequantized_copy
-from tasks.generation import (
+from finetune_flows.models.dequantize import dequantized_copy
+from finetune_flows.evaluation.generation import (
     EngineUnavailable, choose_engine, generate_continuous, generate_reference, generate_static,
     length_sorted_batches, stop_token_ids,
 )
@@ -73,7 +73,7 @@ def test_engines_give_identical_greedy_tokens(model_and_prompts, adapter):
 def test_each_prefill_chunk_is_read_at_its_own_width(model_and_prompts, monkeypatch):
     """One batch of all prompts (left-padded to the longest), prefilled four rows at a time: each chunk's forward
     pass spans only its own prompts' longest, not the batch's, and the answers stay the engine-equivalent ones."""
-    from tasks import generation
+    from finetune_flows.evaluation import generation
 
     model, tokenizer, prompts = model_and_prompts
     model.base_model.enable_adapter_layers()
@@ -110,7 +110,7 @@ def test_the_adapter_changes_the_answers(model_and_prompts):
 def test_answer_loss_equals_the_padded_reference(model_and_prompts):
     import torch
 
-    from tasks.eval_worker import answer_loss, padded_loss, shared_answers
+    from finetune_flows.evaluation.worker import answer_loss, padded_loss, shared_answers
 
     model, tokenizer, prompts = model_and_prompts
     model.base_model.enable_adapter_layers()
@@ -169,7 +169,7 @@ def test_grouped_attention_equals_sdpa(query_len, mask_kind):
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from tasks.generation import _grouped_attention
+    from finetune_flows.evaluation.generation import _grouped_attention
 
     torch.manual_seed(0)
     b, heads, kv_heads, dim, length = 3, 16, 4, 32, 40
@@ -196,9 +196,9 @@ def test_the_adapter_runs_in_the_evaluation_copys_dtype_not_pefts_fp32(shared_ca
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from tasks.config import load_config
-    from tasks.environment import Plan
-    from tasks.eval_worker import _load_with_adapter
+    from finetune_flows.config.schema import load_config
+    from finetune_flows.config.plan import Plan
+    from finetune_flows.evaluation.worker import _load_with_adapter
 
     cache = shared_cache / "generation-bf16"
     base = tiny_quantized(cache, "bfloat16")

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from tasks.config import load_config
-from tasks.environment import resolve_plan, run_probe
-from tasks.gpus import read_inventory, selection_for
-from tasks.launcher import worker_env
+from finetune_flows.config.schema import load_config
+from finetune_flows.runtime.environment import resolve_plan, run_probe
+from finetune_flows.runtime.gpus import read_inventory, selection_for
+from finetune_flows.runtime.launcher import worker_env
 
 INVENTORY = read_inventory()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not INVENTORY, reason="needs an NVIDIA GPU (NVML finds none)")]
@@ -41,9 +41,9 @@ def smi(query: str) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def gpu_setup(prefect_server, gpu_cache, tmp_path_factory):
     """Environment, plan, dataset and 4-bit base model on GPU 0, shared by the tests below."""
-    from tasks.dataset import prepare_dataset
-    from tasks.models import materialize_tokenizer
-    from tasks.quantize import quantize_base_model
+    from tasks.prepare_dataset import prepare_dataset
+    from finetune_flows.models.sources import materialize_tokenizer
+    from tasks.quantize_base_model import quantize_base_model
 
     work = tmp_path_factory.mktemp("gpu")
     cfg = load_config(None, [f"model.source={MODEL}", "data.builtin_examples=600", "data.max_length=128",
@@ -92,7 +92,7 @@ def test_base_model_layers_are_bitsandbytes_4bit_on_cuda(gpu_setup):
 
 
 def _train(gpu_setup, gpu_spec: str):
-    from tasks.train import train_adapter
+    from tasks.train_adapter import train_adapter
 
     cfg, env = gpu_setup["cfg"], gpu_setup["env"]
     cfg = cfg.model_copy(update={"hardware": cfg.hardware.model_copy(update={"gpus": gpu_spec})})
@@ -111,7 +111,7 @@ def test_training_on_one_gpu_lowers_the_loss(gpu_setup):
 
 
 def test_adapter_evaluates_with_the_resolved_attention_backend(gpu_setup):
-    from tasks.evaluate import evaluate_adapter
+    from tasks.evaluate_adapter import evaluate_adapter
 
     one = gpu_setup.get("one_gpu") or _train(gpu_setup, "0")[0]
     plan = gpu_setup["plan"]

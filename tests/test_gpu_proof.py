@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import REPO, child_env, load_benchmark
-from tasks.processes import tree
+from finetune_flows.runtime.processes import tree
 from test_gpus import gpu, report
 
 H100 = gpu(0, 80000, name="NVIDIA H100", cc=(9, 0))

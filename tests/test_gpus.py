@@ -4,11 +4,12 @@ import os
 
 import pytest
 
-from tasks.config import load_config
-from tasks.environment import EnvironmentReport, report_markdown, resolve_plan
-from tasks.errors import EnvironmentMismatch
-from tasks.gpus import GpuInfo, choose_gpu_ids, restrict, select_gpus, selection_for, visible_ids
-from tasks.launcher import worker_env
+from finetune_flows.config.schema import load_config
+from finetune_flows.runtime.environment import EnvironmentReport, report_markdown, resolve_plan
+from finetune_flows.errors import EnvironmentMismatch
+from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, restrict, selection_for, visible_ids
+from tasks.select_gpus import select_gpus
+from finetune_flows.runtime.launcher import worker_env
 
 
 def gpu(i, free, name="NVIDIA H200", cc=(9, 0), total=143771):
@@ -154,10 +155,11 @@ def test_mig_devices_are_refused_by_name():
 
 
 def test_select_gpus_uses_the_probes_reading_and_never_reads_nvml_again(monkeypatch):
-    import tasks.gpus
+    import finetune_flows.runtime.gpus
 
     # the inventory changed since the probe (another job took GPU 1's memory): the plan still stands
-    monkeypatch.setattr(tasks.gpus, "read_inventory", lambda: [gpu(0, 99999), gpu(1, 10), gpu(2, 50000)])
+    monkeypatch.setattr(finetune_flows.runtime.gpus, "read_inventory",
+                        lambda: [gpu(0, 99999), gpu(1, 10), gpu(2, 50000)])
     assert select_gpus.fn("auto:1", FOUR).ids == plan_for(["hardware.gpus=auto:1"], FOUR).gpu_ids == [1]
 
 
@@ -228,14 +230,14 @@ def test_the_workers_cap_each_gpu_at_the_budget(monkeypatch):
 
     import torch
 
-    import tasks.gpus
-    from tasks.environment import Plan
-    from tasks.eval_worker import eval_device
-    from tasks.train_worker import use_device
+    import finetune_flows.runtime.gpus
+    from finetune_flows.config.plan import Plan
+    from finetune_flows.evaluation.worker import eval_device
+    from finetune_flows.training.worker import use_device
 
     total = 143771 * 2**20
     calls = []
-    monkeypatch.setattr(tasks.gpus, "_CAPS", {})
+    monkeypatch.setattr(finetune_flows.runtime.gpus, "_CAPS", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("device", i)))
@@ -257,5 +259,5 @@ def test_the_workers_cap_each_gpu_at_the_budget(monkeypatch):
     calls.clear()
     assert eval_device(plan, 24) == torch.device("cuda:0")
     assert calls == [("cap", 24 * 2**30 / total, 0), ("cap", 24 * 2**30 / total, 1)]
-    assert tasks.gpus.free_bytes(0) == 20 * 2**30  # the cap less what the allocator holds, not the device's 130 GiB
+    assert finetune_flows.runtime.gpus.free_bytes(0) == 20 * 2**30  # the cap less what the allocator holds, not the device's 130 GiB
     assert eval_device(plan.model_copy(update={"device": "cpu"}), 24) == torch.device("cpu")

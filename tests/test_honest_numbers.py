@@ -11,13 +11,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import tiny_overrides
-from tasks.config import load_config
-from tasks.dataset import IGNORE_INDEX, build_dataset, fold, prompt_and_reference, prompt_text, tokenize_example
-from tasks.demo_data import ticket_triage
-from tasks.errors import DataError
-from tasks.metrics import explain, rates, score_answer
-from tasks.models import CHATML, build_generated_tokenizer
-from tasks.summary import render_summary
+from finetune_flows.config.schema import load_config
+from finetune_flows.data.dataset import (
+    IGNORE_INDEX, build_dataset, fold, prompt_and_reference, prompt_text, tokenize_example,
+)
+from finetune_flows.data.demo import ticket_triage
+from finetune_flows.errors import DataError
+from finetune_flows.evaluation.metrics import explain, rates, score_answer
+from finetune_flows.models.sources import CHATML, build_generated_tokenizer
+from finetune_flows.reporting.summary import render_summary
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "yo"}]
@@ -35,7 +37,7 @@ def test_the_demo_generator_never_repeats_a_prompt_so_its_eval_split_has_zero_ov
 
 
 def test_demo_dataset_reports_nothing_removed(tmp_path, shared_cache):
-    from tasks.models import materialize_tokenizer
+    from finetune_flows.models.sources import materialize_tokenizer
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / "demo.yaml", [f"run.cache_dir={tmp_path}"])
     result = build_dataset(cfg, materialize_tokenizer("generated:tiny-llama", shared_cache), tmp_path / "d")
@@ -43,7 +45,7 @@ def test_demo_dataset_reports_nothing_removed(tmp_path, shared_cache):
 
 
 def held_out_build(tmp_path, shared_cache, train: list[dict], held: list[dict], *overrides: str):
-    from tasks.models import materialize_tokenizer
+    from finetune_flows.models.sources import materialize_tokenizer
 
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in train))
     (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in held))
@@ -165,7 +167,7 @@ def test_a_gguf_models_bos_and_eos_settings_reach_training_rows_and_eval_prompts
     tokenizer transformers builds from the file ignores: the dataset's tokenizer and the converted checkpoint's
     carry them."""
     from conftest import tiny_gguf
-    from tasks.models import materialize_model, materialize_tokenizer
+    from finetune_flows.models.sources import materialize_model, materialize_tokenizer
 
     path = tiny_gguf(tmp_path / "tiny.gguf", add_bos=add_bos, add_eos=add_eos)
     example = [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "de"}]

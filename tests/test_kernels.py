@@ -1,4 +1,4 @@
-"""Hub kernels from local directories (tasks/kernels.py): a small universal (pure PyTorch) kernel repo is built
+"""Hub kernels from local directories (finetune_flows/models/kernels.py): a small universal (pure PyTorch) kernel repo is built
 here, mapped onto a model's RMSNorm layers, and must replace them without changing the outputs; a kernel that
 cannot load is a warning naming it, and the stock layer stays."""
 
@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from tasks.kernels import apply_kernels, check_kernels, local_kernel_repo
+from finetune_flows.models.kernels import apply_kernels, check_kernels, local_kernel_repo
 
 KERNEL = '''
 import torch

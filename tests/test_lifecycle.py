@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 
 from conftest import child_env
-from tasks import forkserver
-from tasks.errors import UserInputError, WorkerFailed, WorkerOOM
-from tasks.gpus import GpuInfo, GpuSelection
-from tasks.launcher import (COMPILE_CACHES, compile_caches, python_module, run_worker, torchrun_module, worker_env,
-                            write_job)
-from tasks.processes import ProcessId, parent_of, read_record, remove_stale_records, write_record
+from finetune_flows.runtime import forkserver
+from finetune_flows.errors import UserInputError, WorkerFailed, WorkerOOM
+from finetune_flows.runtime.gpus import GpuInfo, GpuSelection
+from finetune_flows.runtime.launcher import (
+    COMPILE_CACHES, compile_caches, python_module, run_worker, torchrun_module, worker_env, write_job,
+)
+from finetune_flows.runtime.processes import ProcessId, parent_of, read_record, remove_stale_records, write_record
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,13 +40,13 @@ def wait_for(path: Path, timeout: float = 120) -> ProcessId:
     raise TimeoutError(f"{path} never named a running process")
 
 
-FORKED_WORKER_SETUP = "from tasks import forkserver; forkserver.FORKABLE += ('tests.fault_worker',); "
+FORKED_WORKER_SETUP = "from finetune_flows.runtime import forkserver; forkserver.FORKABLE += ('tests.fault_worker',); "
 
 
 @pytest.fixture(params=["fresh", "forked"])
 def cpu_env(request, monkeypatch) -> dict[str, str]:
     """A CPU worker's GPU environment, with the worker started as a fresh process or forked from the fork server
-    (tasks/forkserver.py, which CPU workers of the pipeline's steps use): the launcher's guarantees hold for both."""
+    (finetune_flows/runtime/forkserver.py, which CPU workers of the pipeline's steps use): the launcher's guarantees hold for both."""
     if request.param == "forked":
         monkeypatch.setattr(forkserver, "FORKABLE", (*forkserver.FORKABLE, "tests.fault_worker"))
     else:
@@ -143,8 +144,8 @@ def test_compile_caches_are_one_folder_per_gpu_model_in_the_projects_cache_and_a
 def test_training_workers_get_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
     """Packed micro-batches change shape every step; without expandable segments the 8B bench held 95 GiB reserved
     for 71 GiB allocated. The user's own PYTORCH_CUDA_ALLOC_CONF reaches the worker unchanged."""
-    from tasks.launcher import training_env
-    from tasks.ray_train import forwarded_env
+    from finetune_flows.runtime.launcher import training_env
+    from finetune_flows.training.ray_worker import forwarded_env
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     h200 = GpuSelection(ids=[0], gpus=[gpu(0, "NVIDIA H200", (9, 0))])
@@ -160,8 +161,8 @@ def test_training_workers_get_expandable_segments_unless_the_user_set_the_alloca
 def test_ray_training_workers_get_the_compile_caches_and_stable_hashes_the_training_step_sets(tmp_path, monkeypatch):
     """Ray's workers are started by the raylets, not by the training step's driver: what the step set for its worker
     reaches them through Ray's runtime environment, and nothing else of the host's environment does."""
-    from tasks.ray_train import forwarded_env
-    from tasks.launcher import STABLE_HASHES
+    from finetune_flows.training.ray_worker import forwarded_env
+    from finetune_flows.runtime.launcher import STABLE_HASHES
 
     for var in COMPILE_CACHES:
         monkeypatch.delenv(var, raising=False)
@@ -254,7 +255,7 @@ def test_workers_die_with_an_orchestrator_killed_by_sigkill(tmp_path, launch):
     child_job = write_job(tmp_path, "child", do="sleep")
     job = write_job(tmp_path, "evaluate", do="hang", child_job=str(child_job))
     script = ((FORKED_WORKER_SETUP if launch == "forked" else "")
-              + "from pathlib import Path; from tasks.launcher import python_module, run_worker; "
+              + "from pathlib import Path; from finetune_flows.runtime.launcher import python_module, run_worker; "
               f"run_worker('evaluate', python_module('tests.fault_worker', Path({str(job)!r})), "
               f"{{'CUDA_VISIBLE_DEVICES': ''}}, Path({str(tmp_path)!r}))")
     orchestrator = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT,

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from tasks.attention import packed_kernel_for, use_packed_attention, varlen_attention
-from tasks.dataset import IGNORE_INDEX
-from tasks.packing import PackedCollator, build_schedule, fill_packs, split_pack
+from finetune_flows.models.attention import packed_kernel_for, use_packed_attention, varlen_attention
+from finetune_flows.data.dataset import IGNORE_INDEX
+from finetune_flows.data.packing import PackedCollator, build_schedule, fill_packs, split_pack
 
 
 def tiny_qwen3(kv_heads: int = 2):
@@ -98,6 +98,7 @@ def test_varlen_rows_kernel_matches_dense_causal_attention_per_row():
         torch.testing.assert_close(out[a:b], ref)
 
 
+@pytest.mark.train
 def test_compiled_layers_call_the_flash_kernel_untraced(monkeypatch):
     """Decoder layers under torch.compile call the flash varlen function as itself, never traced by Dynamo (FA4's
     launcher is Python that JIT-compiles kernels). flash-attn cannot run on this CPU: a stand-in module records how
@@ -105,7 +106,7 @@ def test_compiled_layers_call_the_flash_kernel_untraced(monkeypatch):
     import sys
     import types
 
-    from tasks import attention
+    from finetune_flows.models import attention
 
     calls = []
 
@@ -142,7 +143,7 @@ def test_torch_varlen_kernel_is_called_as_each_torch_version_spells_it(monkeypat
     `is_causal` and always scale by 1/sqrt(head_dim), with no grouped-query support; 2.12 takes `scale`,
     `enable_gqa` and a causal `window_size`. A stand-in of each signature (computing with the rows kernel) must give
     the rows kernel's logits, the keywords worked out once when the kernel is chosen."""
-    from tasks import attention
+    from finetune_flows.models import attention
 
     seen = []
     if torch_api == "2.11":
@@ -171,14 +172,15 @@ def test_torch_varlen_kernel_is_called_as_each_torch_version_spells_it(monkeypat
     assert seen == [(True, True)] * 2 if torch_api == "2.11" else seen == [(True, (-1, 0))] * 2
 
 
+@pytest.mark.train
 def test_compiled_decoder_layers_compile_once_for_every_layer_and_packed_length():
-    """Training compiles each decoder layer (tasks/compiling.py compile_decoder_layers). The first layer's input
+    """Training compiles each decoder layer (finetune_flows/training/compiling.py compile_decoder_layers). The first layer's input
     comes from the frozen embedding; unless it requires grad like every later layer's input, Dynamo compiles the
     layer twice (on an H200 a Qwen3-0.6B run spent ~100 s compiling before its first step). Dynamo's own backend,
     so no kernels are built; a recompile is an error here."""
     from peft import LoraConfig, get_peft_model
 
-    from tasks.compiling import compile_decoder_layers
+    from finetune_flows.training.compiling import compile_decoder_layers
 
     model = get_peft_model(tiny_qwen3(2).train(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                            target_modules="all-linear", task_type="CAUSAL_LM"))

@@ -12,8 +12,8 @@ import yaml
 
 from conftest import tiny_overrides
 from flows.finetune import finetune, main
-from tasks.errors import DataError
-from tasks.summary import render_summary
+from finetune_flows.errors import DataError
+from finetune_flows.reporting.summary import render_summary
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +128,7 @@ def test_four_bit_checkpoint_loads_as_bitsandbytes_layers(first_run):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tasks.quantize import QuantizedModel
+    from finetune_flows.models.quantize import QuantizedModel
 
     result, _, _ = first_run
     quantized = [p for p in Path(result.train.output_dir).parent.parent.glob("quantized/*/quantization.json")]
@@ -142,7 +142,7 @@ def test_four_bit_checkpoint_loads_as_bitsandbytes_layers(first_run):
 
 
 def test_resume_skips_a_checkpoint_left_half_written_or_missing_a_file(tmp_path):
-    from tasks.train_worker import last_checkpoint, write_checkpoint_manifest
+    from finetune_flows.training.checkpoints import last_checkpoint, write_checkpoint_manifest
 
     ckpts = tmp_path / "checkpoints"
     for step in (5, 10, 15):
@@ -194,7 +194,7 @@ def test_consecutive_runs_are_compared_in_the_ui_and_on_the_command_line(first_r
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
-    from tasks.compare import main as compare
+    from finetune_flows.reporting.compare import main as compare
 
     first = finetune(None, tiny_overrides(shared_cache / "pipeline", tmp_path))
     second = finetune(None, tiny_overrides(shared_cache / "pipeline", tmp_path, **{"train.learning_rate": 5e-4}))
@@ -233,8 +233,8 @@ def test_export_flow_merges_an_existing_adapter(first_run, capsys):
 def test_evaluate_flow_scores_the_merged_checkpoint_beside_base_and_adapter(first_run, capsys):
     """`flows/evaluate.py --merged runs/<run>/merged`: the merged row next to base + adapter, on the same rows."""
     from flows.evaluate import main as evaluate_main
-    from tasks.adapters import EvaluationResult
-    from tasks.evaluate import EvalReport, checkpoint_fingerprint
+    from finetune_flows.evaluation.adapters import EvaluationResult
+    from finetune_flows.evaluation.evaluate import EvalReport, checkpoint_fingerprint
 
     result, runs, _ = first_run
     merged = result.run_dir / "merged"

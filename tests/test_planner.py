@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.models import ARCHS
-from tasks.gpus import GpuInfo, GpuSelection
-from tasks.planner import BUDGET_FRACTION, GIB, ModelShape, TrainingPlan, peak_bytes, plan_training
+from finetune_flows.models.sources import ARCHS
+from finetune_flows.runtime.gpus import GpuInfo, GpuSelection
+from finetune_flows.training.planner import BUDGET_FRACTION, GIB, ModelShape, TrainingPlan, peak_bytes, plan_training
 
 SHAPES = {name: ModelShape.from_config(ARCHS[name]) for name in ("qwen3-0.6b", "qwen3-8b")}
 GPUS = {"H100-80GB": 80 * 1024, "RTX4090-24GB": 24 * 1024, "H200-141GB": 141 * 1024}
@@ -143,9 +143,9 @@ def test_dequantized_base_costs_its_bf16_weights_in_the_prediction():
     ("cpu", "ddp", ["train.dequantize_base=true", "train.compile=true"], (True, True)),
 ])
 def test_dequantize_and_compile_auto(device, strategy, overrides, want):
-    from tasks.config import load_config
-    from tasks.environment import Plan
-    from tasks.train import compile_setting, dequantize_setting
+    from finetune_flows.config.schema import load_config
+    from finetune_flows.config.plan import Plan
+    from finetune_flows.config.plan import compile_setting, dequantize_setting
 
     cfg = load_config(None, overrides)
     plan = Plan(device=device, gpu_ids=[0] if device == "cuda" else [], nproc=1, precision="bf16",

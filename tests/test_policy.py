@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-import tasks.policy as policy_mod
-from tasks.config import load_config
-from tasks.policy import (POLICY_ENV, Policy, PolicyError, check_adapter_path, checked_config, config_problems,
-                          current_policy, read_policy, strip_secrets)
+import finetune_flows.runtime.policy as policy_mod
+from finetune_flows.config.schema import load_config
+from finetune_flows.runtime.policy import (
+    POLICY_ENV, Policy, PolicyError, check_adapter_path, checked_config, config_problems, current_policy,
+    read_policy, strip_secrets,
+)
 
 
 @pytest.fixture
@@ -124,7 +126,7 @@ def test_the_config_file_and_the_adapter_are_checked_before_they_are_read(host):
 
 def test_an_adapter_named_by_a_merged_checkpoints_card_is_read_only_inside_the_roots(host):
     """The card is data: the adapter it names is read like the directory given, or left out (with a log line)."""
-    from tasks.adapters import named_adapter
+    from finetune_flows.evaluation.adapters import named_adapter
 
     def merged_naming(adapter: Path) -> Path:
         merged = host / "runs" / "some-run" / "merged"
@@ -181,7 +183,7 @@ def test_secret_names():
 
 
 def test_worker_processes_get_no_secrets_unless_the_policy_trusts_the_source(host, monkeypatch, tmp_path):
-    from tasks.launcher import run_worker
+    from finetune_flows.runtime.launcher import run_worker
 
     probe = ("import json, os, sys; open(os.path.join(sys.argv[1], 'env.result.json'), 'w')"
              ".write(json.dumps(dict(os.environ)))")

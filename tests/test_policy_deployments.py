@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.demo_data import ticket_triage
+from finetune_flows.data.demo import ticket_triage
 from tests.deploy_support import PREFECT, PrefectStack
 
 pytestmark = pytest.mark.slow

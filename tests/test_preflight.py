@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import child_env
-from tasks.config import load_config
-from tasks.errors import ConfigError, DataError, UserInputError
-from tasks.preflight import check_lora_targets, check_utf8, preflight
+from finetune_flows.config.schema import load_config
+from finetune_flows.errors import ConfigError, DataError, UserInputError
+from finetune_flows.config.preflight import check_lora_targets, check_utf8, preflight
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ def assert_one_message_before_any_server(done: subprocess.CompletedProcess, tmp_
 
 
 def test_a_probe_directory_that_is_a_file_is_named_before_anything_runs(tmp_path, monkeypatch):
-    from tasks.environment import PROBE_DIR_ENV
+    from finetune_flows.runtime.environment import PROBE_DIR_ENV
 
     (tmp_path / "probes").write_text("not a directory")
     monkeypatch.setenv(PROBE_DIR_ENV, str(tmp_path / "probes"))
@@ -100,7 +100,7 @@ def test_cli_refuses_a_checkpoint_with_its_own_code_unless_trusted(tmp_path):
         "loading it runs the checkpoint's own Python code; set model.trust_remote_code=true if you trust that code")
     assert done.stderr.count("\n") == 1, done.stderr
     # trusted, the same directory passes this check (and the next one finds what is wrong with it)
-    from tasks.models import check_model_source
+    from finetune_flows.models.sources import check_model_source
 
     check_model_source(str(model), trust_remote_code=True)
 
@@ -129,8 +129,8 @@ def test_cli_lists_machine_problems_together(tmp_path):
 
 
 def test_the_evaluation_backend_is_checked_against_the_machine_by_its_own_key():
-    from tasks.config import load_config
-    from tasks.preflight import machine_problems
+    from finetune_flows.config.schema import load_config
+    from finetune_flows.config.preflight import machine_problems
 
     problems = machine_problems(load_config(None, ["hardware.gpus=cpu", "eval.attn_implementation=flash_attention_4"]))
     assert "eval.attn_implementation=flash_attention_4 needs a CUDA GPU, but this run uses the CPU " \

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import child_env, tiny_overrides
-from tasks.progress import format_duration, progress_line
+from finetune_flows.reporting.progress import format_duration, progress_line
 
 ROOT = Path(__file__).resolve().parent.parent
 CLEAR = "\r\x1b[2K"
@@ -29,7 +29,7 @@ LIVE_LINE = re.compile(r"train +(\d+)/(\d+) \[[#.]+\] +\d+%")
 
 FEED_EVENTS = r"""
 import logging, sys
-from tasks.progress import ProgressReporter
+from finetune_flows.reporting.progress import ProgressReporter
 
 handler = logging.StreamHandler(sys.stderr)  # like Prefect's console handler on the root logger
 handler.setFormatter(logging.Formatter("%(levelname)s | %(message)s"))
@@ -168,7 +168,7 @@ def test_cli_run_without_a_terminal_logs_each_logging_step_once(shared_cache, tm
 def test_bitsandbytes_optional_hub_kernel_miss_is_not_shown():
     import logging
 
-    from tasks.launcher import quiet_optional_hub_kernel_warning
+    from finetune_flows.runtime.lifecycle import quiet_optional_hub_kernel_warning
 
     quiet_optional_hub_kernel_warning()
     ops, hub = logging.getLogger("bitsandbytes.backends.cpu.ops"), logging.getLogger("kernels.hf_hub")
@@ -185,7 +185,7 @@ def test_bitsandbytes_optional_hub_kernel_miss_is_not_shown():
 def test_a_missing_device_limit_is_said_once_at_info_level(prefect_server, caplog, monkeypatch):
     import logging
 
-    import tasks.concurrency as concurrency
+    import finetune_flows.orchestration.concurrency as concurrency
 
     monkeypatch.setattr(concurrency, "_REPORTED_MISSING", set())
     with caplog.at_level(logging.INFO, logger="finetune_flows"):
@@ -206,9 +206,9 @@ def test_every_step_is_timed_with_its_own_tokens_the_last_one_included(tmp_path,
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
 
-    from tasks.launcher import EVENT_PREFIX
-    from tasks.packing import PackedCollator
-    from tasks.train_worker import PadCollator, StepClock, _callbacks, steady_state, steady_text
+    from finetune_flows.runtime.lifecycle import EVENT_PREFIX
+    from finetune_flows.data.packing import PackedCollator
+    from finetune_flows.training.worker import PadCollator, StepClock, _callbacks, steady_state, steady_text
     from tests.test_packing import random_rows, tiny_qwen3
 
     steps, accumulation = 4, 2

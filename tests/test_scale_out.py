@@ -16,10 +16,10 @@ import pytest
 
 from conftest import REPO, child_env, tiny_overrides
 from flows.finetune import finetune
-from tasks.config import load_config
-from tasks.distributed import agreed_checkpoint, fingerprint_parts, torchrun_command, train_command
-from tasks.environment import Plan
-from tasks.errors import ConfigError
+from finetune_flows.config.schema import load_config
+from finetune_flows.training.distributed import agreed_checkpoint, fingerprint_parts, torchrun_command, train_command
+from finetune_flows.config.plan import Plan
+from finetune_flows.errors import ConfigError
 from scale_support import assert_same_curve, free_port
 
 pytestmark = pytest.mark.slow
@@ -34,20 +34,20 @@ CPU_PLAN = Plan(device="cpu", gpu_ids=[], nproc=1, precision="fp32", compute_dty
 def test_single_host_launch_and_cache_keys_are_unchanged(tmp_path):
     cfg = load_config(None, [])
     assert fingerprint_parts(cfg, CPU_PLAN) == []
-    cmd = torchrun_command("tasks.train_worker", tmp_path / "job.json", cfg, CPU_PLAN, "abc")
+    cmd = torchrun_command("finetune_flows.training.worker", tmp_path / "job.json", cfg, CPU_PLAN, "abc")
     assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
-                       "tasks.train_worker", str(tmp_path / "job.json")]
+                       "finetune_flows.training.worker", str(tmp_path / "job.json")]
 
 
 def test_one_cpu_rank_runs_without_torchrun_and_gets_what_torchrun_would_give_it(tmp_path, monkeypatch):
     """One CPU rank is the rank body itself (so the launcher can fork it from its fork server); more ranks, GPUs and
     nodes keep torchrun. The rank then sets up a world of one with a free port for the process group's store."""
     cfg, job = load_config(None, []), tmp_path / "job.json"
-    assert train_command(cfg, CPU_PLAN, job, "abc")[1:] == ["-m", "tasks.train_worker", str(job)]
+    assert train_command(cfg, CPU_PLAN, job, "abc")[1:] == ["-m", "finetune_flows.training.worker", str(job)]
     gpu = CPU_PLAN.model_copy(update={"device": "cuda", "gpu_ids": [0]})
     for plan in (CPU_PLAN.model_copy(update={"nproc": 2}), gpu):
         assert "torch.distributed.run" in train_command(cfg, plan, job, "abc")
-    from tasks.distributed import single_rank_defaults
+    from finetune_flows.training.distributed import single_rank_defaults
 
     rank_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in rank_vars})  # a copy: no leak
@@ -69,7 +69,7 @@ def test_multi_node_torchrun_uses_c10d_rendezvous_named_by_the_run(tmp_path):
         "--rdzv-id=run-fingerprint", "--max-restarts=0"]
     assert fingerprint_parts(cfg, plan) == ["torchrun", 2, 4]
     ray = load_config(None, ["hardware.launcher=ray", "hardware.nodes=3", "hardware.gpus_per_node=8"])
-    assert train_command(ray, plan, tmp_path / "job.json", "x")[1:] == ["-m", "tasks.ray_train",
+    assert train_command(ray, plan, tmp_path / "job.json", "x")[1:] == ["-m", "finetune_flows.training.ray_worker",
                                                                          str(tmp_path / "job.json")]
     assert fingerprint_parts(ray, plan) == ["ray", 3, 8]
 
@@ -85,7 +85,7 @@ def test_launch_settings_that_cannot_work_are_refused_together():
 
 
 def test_gpus_per_node_must_match_what_torchrun_starts_here():
-    from tasks.distributed import plan_problems
+    from finetune_flows.training.distributed import plan_problems
 
     assert plan_problems(load_config(None, ["hardware.gpus_per_node=1"]), CPU_PLAN) == []
     problems = plan_problems(load_config(None, ["hardware.gpus_per_node=2"]), CPU_PLAN)
@@ -96,7 +96,7 @@ def test_gpus_per_node_must_match_what_torchrun_starts_here():
 
 
 def test_resume_point_without_a_process_group_is_the_newest_complete_checkpoint(tmp_path):
-    from tasks.train_worker import write_checkpoint_manifest
+    from finetune_flows.training.checkpoints import write_checkpoint_manifest
 
     for step in (5, 10, 15):
         (tmp_path / f"checkpoint-{step}").mkdir()
@@ -151,7 +151,7 @@ def test_fsdp_on_two_ranks_matches_ddp_resumes_after_a_killed_rank_and_saves_the
         two_rank_reference, shared_cache, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from tasks.lifecycle import FAULTS_ENV
+    from finetune_flows.runtime.lifecycle import FAULTS_ENV
 
     marker = tmp_path / "killed"
     # rank 1 also writes its part of each checkpoint late: checkpoint-3 must still be complete when rank 1 dies

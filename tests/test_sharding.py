@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.config import load_config
-from tasks.environment import Plan, resolve_plan
-from tasks.errors import ConfigError, UserInputError
-from tasks.gpus import read_inventory, selection_for
-from tasks.planner import CONTEXT_RESERVE, GIB, ModelShape, peak_bytes, plan_training
-from tasks.models import ARCHS
-from tasks.quantize import bnb_config, quantize_fingerprint
-from tasks.sharding import check_storage, quant_storage, resolve_strategy, trainer_kwargs
+from finetune_flows.config.schema import load_config
+from finetune_flows.config.plan import Plan
+from finetune_flows.runtime.environment import resolve_plan
+from finetune_flows.errors import ConfigError, UserInputError
+from finetune_flows.runtime.gpus import read_inventory, selection_for
+from finetune_flows.training.planner import CONTEXT_RESERVE, GIB, ModelShape, peak_bytes, plan_training
+from finetune_flows.models.sources import ARCHS
+from finetune_flows.models.quantize import bnb_config, quantize_fingerprint
+from finetune_flows.training.sharding import check_storage, quant_storage, resolve_strategy, trainer_kwargs
 from test_gpus import gpu, report
 
 CPU_PLAN = Plan(device="cpu", gpu_ids=[], nproc=2, precision="fp32", compute_dtype="float32", train_attn="sdpa",
@@ -143,7 +144,7 @@ def test_fsdp_on_two_gpus_shards_the_bf16_stored_base_and_matches_ddp(prefect_se
 
     from conftest import tiny_overrides
     from flows.finetune import finetune
-    from tasks.lifecycle import FAULTS_ENV
+    from finetune_flows.runtime.lifecycle import FAULTS_ENV
 
     model = os.environ.get("FINETUNE_FLOWS_GPU_MODEL", "generated:qwen3-0.6b")
     # lr 2e-4 (a gentle rate: the test compares loss curves; the NaN once blamed on 1e-3 was the benchmark's workload)

@@ -1,14 +1,16 @@
-"""Steps are Prefect tasks to the flow, and plain modules to the worker processes that import them."""
+"""Steps are Prefect tasks to the flow; the worker processes import the engine, never Prefect."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import REPO, child_env
 
-WORKER_MODULES = ["tasks.train_worker", "tasks.eval_worker", "tasks.quantize", "tasks.export", "tasks.environment",
-                  "tasks.backends", "tasks.ray_train"]
+WORKER_MODULES = ["finetune_flows.training.worker", "finetune_flows.evaluation.worker", "finetune_flows.models.quantize",
+                  "finetune_flows.export.merge", "finetune_flows.runtime.environment", "finetune_flows.models.backends",
+                  "finetune_flows.training.ray_worker"]
 
 
 def test_worker_modules_import_without_prefect():
@@ -17,7 +19,7 @@ def test_worker_modules_import_without_prefect():
             f"for m in {WORKER_MODULES!r}:\n"
             "    importlib.import_module(m)\n"
             "    assert 'prefect' not in sys.modules, m + ' imported prefect'\n"
-            "from tasks.launcher import run_logger\n"
+            "from finetune_flows.runtime.launcher import run_logger\n"
             "assert run_logger().name == 'finetune_flows' and 'prefect' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(), capture_output=True, text=True,
                           timeout=120)
@@ -28,7 +30,7 @@ def test_a_step_is_its_plain_function_and_a_prefect_task_on_first_use():
     from prefect import Task
     from prefect.cache_policies import NO_CACHE
 
-    from tasks.steps import step
+    from finetune_flows.orchestration.steps import step
 
     @step(name="double-it", retries=2, tags=["t"])
     def double(x: int) -> int:
@@ -67,10 +69,10 @@ def test_every_step_task_run_name_is_safe_for_prefects_cli():
     from prefect.events import Event
     from rich.console import Console
 
-    from tasks.steps import Step
+    from finetune_flows.orchestration.steps import Step
 
-    steps = [obj for m in ("dataset", "export", "quantize", "gpus", "environment", "evaluate", "tracking", "train")
-             for obj in vars(importlib.import_module(f"tasks.{m}")).values()
+    modules = [p.stem for p in (Path(__file__).resolve().parent.parent / "tasks").glob("*.py") if p.stem != "__init__"]
+    steps = [obj for m in modules for obj in vars(importlib.import_module(f"tasks.{m}")).values()
              if isinstance(obj, Step) and obj.options.get("task_run_name")]
     assert len(steps) >= 9, steps
     for step in steps:

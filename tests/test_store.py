@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from tasks.store import MANIFEST, Entry, StoreError, reuse_or_produce, write_atomic
+from finetune_flows.store.entries import MANIFEST, Entry, StoreError, reuse_or_produce, write_atomic
 
 
 class Result(BaseModel):

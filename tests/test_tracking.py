@@ -14,9 +14,9 @@ import pytest
 
 from conftest import tiny_overrides
 from deploy_support import free_port, stop
-from tasks.config import load_config
-from tasks.errors import ConfigError
-from tasks.tracking import check_tracking
+from finetune_flows.config.schema import load_config
+from finetune_flows.errors import ConfigError
+from finetune_flows.reporting.tracking import check_tracking
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,200 @@
+"""The command line around the flows (`python flows/finetune.py`, `python flows/evaluate.py`).
+
+- Bad input is found before a Prefect server starts (finetune_flows/config/preflight.py) and printed as one message, exit 2; other
+  failures a retry cannot fix (a full disk, out of memory at the smallest micro-batch) as one message, exit 1.
+- SIGTERM, like Ctrl-C (SIGINT), unwinds the run as an exception, so every `finally` runs: the workers get
+  SIGTERM, save a checkpoint and are gone before the device slots are released, and the temporary Prefect server
+  is stopped. Exit status 128 + the signal; running the same command again resumes.
+- One signal ends the process within `hardware.stop_grace_seconds` + STOP_MARGIN_SECONDS, and at most
+  DRAIN_SECONDS after the run has unwound, whatever Prefect's background services still hold: with the API server
+  gone (a SIGTERM to the process group stops it too), Prefect retried reporting the crash for a minute and its
+  event worker's drain at interpreter exit retried for good.
+- Without PREFECT_API_URL, Prefect starts a temporary server on the SQLite database in PREFECT_HOME. Two of them
+  migrating a fresh database at the same time break each other's migration (alembic: "expected to match one row
+  ... 0 found"), and Prefect then waits out its 20 s start timeout ("Timed out while attempting to connect to
+  ephemeral Prefect API server"). Runs therefore start their temporary server one at a time, under a file lock in
+  PREFECT_HOME, with a longer timeout; the migrated database is then shared as before.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import types
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+from finetune_flows.config.schema import HardwareConfig
+from finetune_flows.errors import NotRetryable, UserInputError
+from finetune_flows.runtime.lifecycle import preexec_die_with
+
+T = TypeVar("T")
+SERVER_START_TIMEOUT = 180  # seconds; a fresh database's migrations alone take ~15 s on a loaded 2-core machine
+STOP_MARGIN_SECONDS = 10  # after the workers' grace period: releasing device slots, Prefect's own teardown
+DRAIN_SECONDS = 3  # after the run has unwound: Prefect's background services flush what they can
+_stop_grace: float | None = None  # the run's hardware.stop_grace_seconds, once its config is checked
+
+
+class Stopped(KeyboardInterrupt):
+    """The run was stopped by a signal (SIGTERM or SIGINT)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame) -> None:
+    _arm_stop_deadline(signum)
+    raise Stopped(signum)
+
+
+_deadline_armed = threading.Event()
+
+
+def _arm_stop_deadline(signum: int) -> None:
+    """On the first stop signal: end the process by the run's grace period + STOP_MARGIN_SECONDS."""
+    if _deadline_armed.is_set():
+        return
+    _deadline_armed.set()
+    grace = _stop_grace if _stop_grace is not None else HardwareConfig.model_fields["stop_grace_seconds"].default
+    _exit_after(grace + STOP_MARGIN_SECONDS, signum, f"the run did not finish stopping within "
+                f"{grace + STOP_MARGIN_SECONDS:.0f} s (its worker processes stop with this one; run the same command "
+                "again to resume)")
+
+
+def _exit_after(seconds: float, signum: int, why: str) -> None:
+    """End the process with 128 + signum after `seconds`, from a daemon thread: it still runs while the interpreter
+    waits at exit on Prefect's non-daemon services, and os._exit skips them. The run's worker processes and the
+    temporary server die with this process (PR_SET_PDEATHSIG)."""
+    def end() -> None:
+        time.sleep(seconds)
+        print(f"stopped by {signal.Signals(signum).name}: {why}; ending now", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + signum)
+
+    threading.Thread(target=end, name="stop-deadline", daemon=True).start()
+
+
+def _watch_signals(read_fd: int) -> None:
+    """The deadline starts when the signal arrives, not when our handler runs: during a flow run Prefect's own
+    SIGTERM handler raises first, and it hands the signal back to ours only after it has reported the crash (which,
+    with the API server gone, it retried for a minute). The interpreter's C-level handler writes every signal's
+    number to the wakeup fd, whichever Python handler is installed."""
+    with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+        while data := pipe.read(64):
+            for signum in data:
+                if signum in (signal.SIGTERM, signal.SIGINT):
+                    _arm_stop_deadline(signum)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=_watch_signals, args=(read_fd,), name="stop-signals", daemon=True).start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_wakeup)
+        os.close(write_fd)  # the watcher reads the end of its pipe and returns
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _NoTracebackForNotRetryable(logging.Filter):
+    """Prefect logs a failed run's exception with its traceback; for bad input or a full disk the message says it
+    all, and the CLI prints it once more at the end."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], NotRetryable):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_tracebacks() -> None:
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTracebackForNotRetryable) for f in logger.filters):
+            logger.addFilter(_NoTracebackForNotRetryable())
+
+
+def start_temporary_server() -> None:
+    """Start Prefect's temporary server for this process, one process at a time per PREFECT_HOME (see above)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, get_current_settings
+
+    if PREFECT_API_URL.value() or not get_current_settings().server.ephemeral.enabled:
+        return
+    home = Path(PREFECT_HOME.value()).expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / ".finetune-flows-server-start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        _server_that_dies_with_us().start(timeout=SERVER_START_TIMEOUT)  # the engine reuses this running instance
+
+
+def _server_that_dies_with_us():
+    """Prefect's temporary server (one instance per process: SubprocessASGIServer() returns it to the engine too),
+    whose process gets SIGTERM when this one dies, also by SIGKILL (PR_SET_PDEATHSIG, as the workers): Prefect stops
+    it only from an atexit hook, which a killed process never runs, and an orphaned server kept running for good."""
+    import prefect.server.api.server as server_module
+
+    class ServerThatDiesWithUs(server_module.SubprocessASGIServer):
+        def _run_uvicorn_command(self):
+            real = server_module.subprocess
+            dies_with_us = functools.partial(real.Popen, preexec_fn=preexec_die_with(os.getpid()))
+            server_module.subprocess = types.SimpleNamespace(Popen=dies_with_us)  # Prefect's one Popen call
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                server_module.subprocess = real
+
+    return ServerThatDiesWithUs()
+
+
+def print_to_pipe(text: str) -> None:
+    """print(text) for output a reader may stop reading early (`--help-config | head`): a closed pipe ends the
+    output quietly instead of with a BrokenPipeError traceback, also at the interpreter's final flush."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes nowhere at exit
+        os.close(devnull)
+
+
+def run_cli(check: Callable[[], object], run: Callable[[], T], show: Callable[[T], None]) -> int:
+    """check() (no server yet), then run() the flow, then show() its result; errors as one message."""
+    global _stop_grace
+    quiet_tracebacks()
+    try:
+        with stop_on_signals():
+            _stop_grace = getattr(getattr(check(), "hardware", None), "stop_grace_seconds", None)
+            start_temporary_server()
+            result = run()
+    except UserInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except NotRetryable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: no space left on the device: {exc}", file=sys.stderr)
+        return 1
+    except Stopped as exc:
+        print(f"stopped by {exc}: the run's worker processes are stopped; run the same command again to resume "
+              "(training continues from its last checkpoint)", file=sys.stderr, flush=True)
+        _exit_after(DRAIN_SECONDS, exc.signum, "Prefect's background services did not finish")
+        return 128 + exc.signum
+    show(result)
+    return 0

@@ -1,0 +1,177 @@
+"""Everything about a run that can be checked without loading a model: in seconds, before a Prefect server starts.
+
+The CLI runs it first, so bad input is one message and exit status 2, with no traceback and no run directory left
+behind; the flows run it again first thing, because a deployment run has no CLI. Checked: the config (every key,
+and combinations), the model source (names and files, no weights; custom code only when trusted), every row of the
+data files (an encoding error names its line) and their split (rows to train on, held-out rows left once copies of
+training prompts are removed), the GPUs through NVML (ids, CUDA_VISIBLE_DEVICES, MIG; no torch, no CUDA context),
+what the attention backend needs from the machine, the optimizer name, the experiment trackers (installed, an MLflow
+server answering), and that the run and cache directories (and $FINETUNE_FLOWS_PROBE_DIR, where set) can be
+created. LoRA target modules need the model's module names: `check_lora_targets` builds the model on the meta
+device from its config.json (no weights) before training launches.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from finetune_flows.config.schema import FinetuneConfig
+from finetune_flows.data.dataset import normalize, read_rows, split
+from finetune_flows.errors import ConfigError, DataError, EnvironmentMismatch, UserInputError
+from finetune_flows.runtime.gpus import choose_gpu_ids, read_inventory
+from finetune_flows.models.sources import check_model_source
+from finetune_flows.runtime.policy import checked_config
+from finetune_flows.reporting.tracking import tracking_problems
+from finetune_flows.runtime.environment import PROBE_DIR_ENV, probe_dir
+
+FLASH_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3",
+                  "flash_attention_4": "flash-attn-4"}
+
+
+def preflight(config: str | Path | None, overrides: list[str] | None = None) -> FinetuneConfig:
+    """The validated config, or a UserInputError naming every problem found (the data's first). The worker
+    host's policy (finetune_flows/runtime/policy.py) is applied first, so a refused run reads and writes nothing."""
+    cfg = checked_config(config, overrides)
+    check_model_source(cfg.model.source, cfg.model.trust_remote_code)
+    check_data(cfg)
+    check_directories(cfg)
+    problems = optimizer_problems(cfg) + machine_problems(cfg) + tracking_problems(cfg)
+    if problems:
+        raise EnvironmentMismatch(problems, "config vs this machine")
+    return cfg
+
+
+# ---------------------------------------------------------------- data
+
+
+def check_utf8(path: Path) -> None:
+    """A text data file that is not UTF-8, reported with the line and column of the first bad byte."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise DataError(f"{path} line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column {column}); "
+                        "save the file as UTF-8") from None
+
+
+def check_data(cfg: FinetuneConfig) -> None:
+    """Every row of the training (and held-out) data, as the dataset step will read it, and its split: enough rows
+    to train on and held-out rows left once the copies of training prompts are removed."""
+    d = cfg.data
+    formats, examples = {}, {}
+    for source in filter(None, (d.source, d.eval_source)):
+        if source.startswith("hub:"):  # needs the Hub; the environment step checks that it is reachable
+            continue
+        path = Path(source).expanduser()
+        if not source.startswith("builtin:") and path.is_file() and path.suffix.lower() != ".parquet":
+            check_utf8(path)
+        formats[source], examples[source] = normalize(read_rows(source, d), d, source)
+    if d.eval_source in formats and len(set(formats.values())) > 1:
+        raise DataError(f"{d.eval_source} is {formats[d.eval_source]} format but {d.source} is {formats[d.source]}")
+    if d.source in examples and (d.eval_source is None or d.eval_source in examples):
+        split(d, examples[d.source], examples.get(d.eval_source) if d.eval_source else None)
+
+
+# ---------------------------------------------------------------- directories
+
+
+def _first_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_directories(cfg: FinetuneConfig) -> None:
+    places = [("run.output_dir", Path(cfg.run.output_dir).expanduser()), ("run.cache_dir", cfg.cache_root)]
+    if os.environ.get(PROBE_DIR_ENV):  # the host's directory of machine probes, where the operator set one
+        places.append((PROBE_DIR_ENV, probe_dir(cfg.cache_root)))
+    for key, path in places:
+        existing = _first_existing(path.absolute())
+        if not existing.is_dir():
+            raise UserInputError(f"{key}={path}: {existing} is a file, so no directory can be created there")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise UserInputError(f"{key}={path}: {existing} is not writable")
+
+
+# ---------------------------------------------------------------- optimizer, GPUs, attention
+
+
+@lru_cache(maxsize=1)
+def optimizer_names() -> frozenset[str] | None:
+    """transformers' OptimizerNames, read from its source (importing transformers.training_args takes seconds)."""
+    spec = importlib.util.find_spec("transformers")
+    try:
+        tree = ast.parse((Path(spec.origin).parent / "training_args.py").read_text())
+    except (AttributeError, TypeError, OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "OptimizerNames":
+            return frozenset(s.value.value for s in node.body if isinstance(s, ast.Assign)
+                             and isinstance(s.value, ast.Constant) and isinstance(s.value.value, str))
+    return None
+
+
+def optimizer_problems(cfg: FinetuneConfig) -> list[str]:
+    names = optimizer_names()
+    if names is None or cfg.train.optimizer in names:
+        return []
+    close = sorted(n for n in names if cfg.train.optimizer.split("_")[0] in n)[:6]
+    return [f"train.optimizer={cfg.train.optimizer} is not an optimizer transformers knows"
+            + (f" (similar: {', '.join(close)})" if close else f"; known: {', '.join(sorted(names))}")]
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.version(dist)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def machine_problems(cfg: FinetuneConfig) -> list[str]:
+    """GPU ids against NVML's inventory, and what the attention backend needs (the environment step, which loads
+    torch, checks the rest)."""
+    problems: list[str] = []
+    try:
+        ids: list[int] | None = choose_gpu_ids(cfg.hardware.gpus, read_inventory())
+    except ConfigError as exc:
+        problems, ids = exc.problems, None
+    for key, attn in cfg.attention_settings().items():
+        if attn in FLASH_PACKAGES:
+            if ids == []:
+                problems.append(f"{key}={attn} needs a CUDA GPU, but this run uses the CPU "
+                                f"(hardware.gpus={cfg.hardware.gpus})")
+            if not _installed(FLASH_PACKAGES[attn]):
+                problems.append(f"{key}={attn} needs the {FLASH_PACKAGES[attn]} package, which is not installed")
+    return problems
+
+
+# ---------------------------------------------------------------- LoRA targets (the model's module names)
+
+
+def check_lora_targets(model_dir: Path, targets: list[str] | str, trust_remote_code: bool = False) -> None:
+    """Every `lora.target_modules` entry must name modules of the model, as PEFT matches them (the full name or
+    its last parts). The model is built on the meta device from config.json: no weights, no memory."""
+    if targets == "all-linear":
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    if hasattr(config, "quantization_config"):  # the 4-bit checkpoint's module names are the plain model's
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    names = [n for n, _ in model.named_modules() if n]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ConfigError([f"lora.target_modules: the model has no module named {', '.join(missing)}; its linear "
+                           f"layers are {', '.join(linear)} (or use all-linear)"], "config vs model")

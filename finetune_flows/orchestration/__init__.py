@@ -1,0 +1,1 @@
+"""The glue to Prefect: step declaration, step runs, device concurrency slots."""

@@ -1,0 +1,1 @@
+"""What a run reports: summary, comparison, plots, progress, experiment tracking."""

@@ -1,0 +1,165 @@
+"""This run beside the previous one: did last night's retraining get better or worse?
+
+The previous run is the latest earlier *completed* fine-tune run (one with `summary.json`) of the same
+`run.name` in the same `run.output_dir`: the runs of one deployment (e.g. `nightly`) share both. Every run
+publishes the comparison as the `eval-vs-previous` artifact and writes it to `<run>/comparison.md`.
+
+    python -m finetune_flows.reporting.compare                       # the latest run in runs/ against its previous run
+    python -m finetune_flows.reporting.compare runs/<run>            # that run against its previous run
+    python -m finetune_flows.reporting.compare runs/<a> runs/<b>     # b against a
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+STAMP = re.compile(r"-(\d{8}-\d{6})-[0-9a-f]+$")
+
+# (label, how to read it from summary.json, which way is better, the smallest change that counts: relative for
+# losses and speed, absolute for scores between 0 and 1)
+METRICS: list[tuple[str, Any, str | None, float, bool]] = [
+    ("adapter: held-out loss", lambda s: s["eval"]["adapter"]["loss"], "lower", 0.01, True),
+    ("adapter: perplexity", lambda s: s["eval"]["adapter"]["perplexity"], "lower", 0.01, True),
+    ("adapter: {metric}", lambda s: s["eval"]["adapter"]["generation_score"], "higher", 0.005, False),
+    ("base: held-out loss", lambda s: s["eval"]["base"]["loss"], "lower", 0.01, True),
+    ("base: {metric}", lambda s: s["eval"]["base"]["generation_score"], "higher", 0.005, False),
+    ("training: final loss", lambda s: s["train"]["final_loss"], "lower", 0.01, True),
+    ("training: tokens/s", lambda s: s["train"]["tokens_per_second"], "higher", 0.05, True),
+    ("training: steps", lambda s: s["train"]["steps"], None, 0.0, False),
+    ("held-out rows", lambda s: s["eval"]["eval_rows"], None, 0.0, False),
+]
+
+def run_name_of(run_dir: Path) -> str | None:
+    try:
+        return yaml.safe_load((run_dir / "config.resolved.yaml").read_text())["run"]["name"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return None
+
+
+def _order(run_dir: Path) -> tuple[str, float]:
+    match = STAMP.search(run_dir.name)
+    summary = run_dir / "summary.json"
+    return (match.group(1) if match else "", summary.stat().st_mtime if summary.exists() else 0.0)
+
+
+def completed_runs(output_dir: Path, name: str) -> list[Path]:
+    """Completed fine-tune runs named `name` under output_dir, oldest first."""
+    found = [p for p in output_dir.glob(f"{name}-*") if (p / "summary.json").is_file() and run_name_of(p) == name]
+    return sorted(found, key=_order)
+
+
+def previous_run(run_dir: Path) -> Path | None:
+    name = run_name_of(run_dir)
+    if name is None:
+        return None
+    earlier = [p for p in completed_runs(run_dir.parent, name) if p != run_dir and _order(p) < _order(run_dir)]
+    return earlier[-1] if earlier else None
+
+
+def _value(summary: dict, read) -> float | None:
+    try:
+        value = read(summary)
+    except (KeyError, TypeError):
+        return None
+    return None if value is None else float(value)
+
+
+def _verdict(before: float | None, after: float | None, better: str | None, tolerance: float,
+             relative: bool) -> str:
+    if before is None or after is None or better is None:
+        return ""
+    change = after - before
+    if abs(change) <= tolerance * (abs(before) if relative else 1.0):
+        return "same"
+    return "better" if (change < 0) == (better == "lower") else "WORSE"
+
+def comparison_rows(current: dict, previous: dict) -> list[dict[str, Any]]:
+    metric = current.get("eval", {}).get("metric", "score")
+    rows = []
+    for label, read, better, tolerance, relative in METRICS:
+        before, after = _value(previous, read), _value(current, read)
+        if before is None and after is None:
+            continue
+        rows.append({"metric": label.format(metric=metric), "previous": before, "this run": after,
+                     "change": None if before is None or after is None else after - before,
+                     "verdict": _verdict(before, after, better, tolerance, relative)})
+    return rows
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value == int(value) and abs(value) >= 10 else f"{value:.4g}"
+
+
+def render_comparison(current_dir: Path, previous_dir: Path | None, current: dict | None = None) -> str:
+    """Markdown: the two runs' headline numbers side by side, regressions marked WORSE. `current` is the
+    run's summary when it is not on disk yet."""
+    title = f"# {current_dir.name} vs the previous run\n\n"
+    if previous_dir is None:
+        return (title + f"No earlier completed run named `{run_name_of(current_dir)}` in `{current_dir.parent}`: "
+                "nothing to compare with yet.\n")
+    current = current or json.loads((current_dir / "summary.json").read_text())
+    previous = json.loads((previous_dir / "summary.json").read_text())
+    rows = comparison_rows(current, previous)
+    worse = [r["metric"] for r in rows if r["verdict"] == "WORSE"]
+    lines = [title + f"Previous run: `{previous_dir.name}`\n",
+             ("**Regressions:** " + ", ".join(worse) if worse else "No regression.") + "\n",
+             "| metric | previous | this run | change | verdict |", "|---|---|---|---|---|"]
+    for r in rows:
+        change = "-" if r["change"] is None else f"{r['change']:+.4g}"
+        lines.append(f"| {r['metric']} | {_fmt(r['previous'])} | {_fmt(r['this run'])} | {change} | "
+                     f"{'**WORSE**' if r['verdict'] == 'WORSE' else r['verdict']} |")
+    return "\n".join(lines) + "\n"
+
+
+def publish_comparison(run_dir: Path, summary: dict) -> Path | None:
+    """Write `<run>/comparison.md` and publish it as the `eval-vs-previous` artifact; return the previous run."""
+    from prefect.artifacts import create_markdown_artifact
+
+    previous = previous_run(run_dir)
+    text = render_comparison(run_dir, previous, summary)
+    tmp = run_dir / ".comparison.md.tmp"
+    tmp.write_text(text)
+    tmp.replace(run_dir / "comparison.md")
+    create_markdown_artifact(text, key="eval-vs-previous",
+                             description="This run's evaluation beside the previous run of the same name")
+    return previous
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="*", type=Path, help="RUN (against its previous run) or PREVIOUS RUN")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs"),
+                        help="where to find the latest run when none is given (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if len(args.runs) > 2:
+        parser.error("give at most two run directories")
+    for path in args.runs:
+        if not (path / "summary.json").is_file():
+            print(f"error: {path} is not a completed fine-tune run (no summary.json)", file=sys.stderr)
+            return 2
+    if len(args.runs) == 2:
+        previous, current = args.runs
+    elif args.runs:
+        current, previous = args.runs[0], previous_run(args.runs[0])
+    else:
+        done = sorted((p for p in args.output_dir.glob("*") if (p / "summary.json").is_file()), key=_order)
+        if not done:
+            print(f"error: no completed run in {args.output_dir}", file=sys.stderr)
+            return 2
+        current = done[-1]
+        previous = previous_run(current)
+    print(render_comparison(current.resolve(), previous.resolve() if previous else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

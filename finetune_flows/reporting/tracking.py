@@ -1,0 +1,130 @@
+"""Experiment tracking on the tools ML teams already run: TensorBoard (through the Trainer) and MLflow.
+
+- `tracking.report_to` goes to the Trainer's `report_to`; TensorBoard's event files are written beside the
+  adapter in the cache (so a cached rerun still has them) and copied into `<run>/tensorboard/`.
+- `tracking.mlflow_uri` makes each run an MLflow run (experiment `tracking.mlflow_experiment`, run name = the
+  run directory's name) holding the resolved config (params and `config.resolved.yaml`), the plan, the loss
+  per step, the eval table and metrics, the plots and the adapter.
+
+Both are checked before anything loads: a missing package or an MLflow server that does not answer is a
+config error, not a failure after an hour of training.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from finetune_flows.config.schema import FinetuneConfig
+from finetune_flows.config.plan import Plan
+from finetune_flows.errors import ConfigError
+from finetune_flows.logs import run_logger
+
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",), "wandb": ("wandb",),
+            "trackio": ("trackio",), "comet_ml": ("comet_ml",), "clearml": ("clearml",)}
+EXTRA_HINT = "pip install 'finetune-flows[tracking]'"
+
+
+def tracking_problems(cfg: FinetuneConfig, timeout: float = 5.0) -> list[str]:
+    problems = []
+    for name in cfg.tracking.report_to:
+        modules = PACKAGES.get(name, (name,))
+        if not any(importlib.util.find_spec(m) for m in modules):
+            problems.append(f"tracking.report_to={name} needs the `{modules[0]}` package, which is not installed")
+    uri = cfg.tracking.mlflow_uri
+    if uri:
+        if importlib.util.find_spec("mlflow") is None:
+            problems.append(f"tracking.mlflow_uri={uri} needs MLflow: {EXTRA_HINT}")
+        elif uri.startswith(("http://", "https://")):
+            try:
+                with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as response:
+                    response.read()
+            except OSError as exc:
+                problems.append(f"tracking.mlflow_uri={uri}: no MLflow server answers there ({exc})")
+    return problems
+
+
+def check_tracking(cfg: FinetuneConfig) -> None:
+    problems = tracking_problems(cfg)
+    if problems:
+        raise ConfigError(problems, "tracking")
+
+
+def copy_tensorboard_logs(train_output: Path, run_dir: Path) -> Path | None:
+    """`<run>/tensorboard/`: the event files of the training that produced this run's adapter."""
+    source = Path(train_output) / "tensorboard"
+    if not source.is_dir():
+        return None
+    shutil.copytree(source, run_dir / "tensorboard")
+    return run_dir / "tensorboard"
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = str(value)[:6000]  # MLflow's limit on a param value
+    return flat
+
+
+def _experiment_id(client, name: str) -> str:
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:  # another run created it meanwhile
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def log_to_mlflow(cfg: FinetuneConfig, plan: Plan, result) -> str:
+    """Log a finished run (a FinetuneResult) to `tracking.mlflow_uri`; return the MLflow run id."""
+    import time
+
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    client = MlflowClient(tracking_uri=cfg.tracking.mlflow_uri)
+    run_dir, train, report = Path(result.run_dir), result.train, result.eval
+    tags = {"finetune-flows.run_dir": str(run_dir), "finetune-flows.model": cfg.model.source,
+            "finetune-flows.cached_steps": ",".join(result.cached_steps) or "none"}
+    try:
+        from prefect.runtime import deployment, flow_run
+
+        tags.update({"prefect.flow_run_id": str(flow_run.id), "prefect.deployment": str(deployment.name)})
+    except Exception:  # outside a flow run
+        pass
+    run = client.create_run(_experiment_id(client, cfg.tracking.mlflow_experiment), run_name=run_dir.name, tags=tags)
+    run_id = run.info.run_id
+    now = int(time.time() * 1000)
+    params = [Param(k, v) for k, v in _flatten(cfg.model_dump(mode="json")).items()]
+    params += [Param(f"plan.{k}", v) for k, v in _flatten(plan.model_dump(mode="json")).items()]
+    metrics = [Metric("train/loss", loss, now, step) for step, loss in train.loss_curve]
+    metrics += [Metric(f"train/{k}", float(getattr(train, k)), now, train.steps)
+                for k in ("tokens_per_second", "peak_memory_mb", "train_seconds", "final_loss")]
+    for name, scores in (("base", report.base), ("adapter", report.adapter)):
+        metrics += [Metric(f"eval/{name}_loss", scores.loss, now, train.steps),
+                    Metric(f"eval/{name}_perplexity", scores.perplexity, now, train.steps)]
+        if scores.generation_score is not None:
+            metrics.append(Metric(f"eval/{name}_{report.metric}", scores.generation_score, now, train.steps))
+    for start in range(0, len(params), 100):  # MLflow's batch limits: 100 params, 1000 metrics
+        client.log_batch(run_id, params=params[start:start + 100])
+    for start in range(0, len(metrics), 1000):
+        client.log_batch(run_id, metrics=metrics[start:start + 1000])
+    table = report.table()
+    client.log_table(run_id, {key: [row[key] for row in table] for key in table[0]}, "eval_table.json")
+    client.log_dict(run_id, plan.model_dump(mode="json"), "plan.json")
+    client.log_artifact(run_id, str(run_dir / "config.resolved.yaml"))
+    client.log_artifact(run_id, str(run_dir / "eval.json"))
+    if (run_dir / "plots").is_dir():
+        client.log_artifacts(run_id, str(run_dir / "plots"), "plots")
+    client.log_artifacts(run_id, str(result.adapter_path), "adapter")
+    client.set_terminated(run_id, "FINISHED")
+    run_logger().info("logged to MLflow %s: experiment %r, run %s (%s)", cfg.tracking.mlflow_uri,
+                      cfg.tracking.mlflow_experiment, run_dir.name, run_id)
+    return run_id

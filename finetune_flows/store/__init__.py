@@ -1,0 +1,1 @@
+"""The content-addressed store, cache-key fingerprints, run directories."""

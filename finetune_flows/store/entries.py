@@ -1,0 +1,267 @@
+"""The content-addressed store under the cache root: the pipeline's one cache layer.
+
+An entry is a directory `<cache root>/<kind>/<key>` (the key is a fingerprint of everything that determines the
+output). Its `manifest.json`, written last and atomically, lists each output file's size and sha256 and holds the
+step's result as pydantic JSON. On reuse the manifest is read and every file re-hashed before the entry is
+trusted; a missing, truncated or mismatching manifest means "not cached" (the log says why) and the step
+produces the entry again. Results come back through `Model.model_validate_json`: nothing is ever unpickled.
+
+One writer per entry: an exclusive `fcntl.flock` on `<cache root>/.locks/<kind>--<key>.lock`, held while the
+entry is produced. The kernel releases it when the holder dies, so a crash never leaves a stale lock (on NFS this
+needs working NFS locks: NFSv4, or lockd for v3). Lock files are never deleted (deleting one would let two
+writers lock two different files). Callers that also need a device take the entry lock first, then the device
+slot (finetune_flows/orchestration/concurrency.py), always in that order.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from finetune_flows.orchestration.concurrency import MAX_WAIT_REPORT_SECONDS, WAIT_REPORT_SECONDS
+from finetune_flows.logs import run_logger
+
+MANIFEST = "manifest.json"
+LOCKS = ".locks"
+FORMAT = 1
+ENTRY_PLACEHOLDER = "@entry"  # stored results name their own files relative to the entry, wherever it lives
+LOCK_POLL_SECONDS = 0.5
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class StoreError(RuntimeError):
+    """A step finished without producing the outputs its entry must hold."""
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write to a temporary name beside `path`, fsync, and rename into place: readers see all or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _relocate(value: Any, old: str, new: str) -> Any:
+    """Rewrite path strings under `old` to be under `new` (recursively through lists and dicts)."""
+    if isinstance(value, str) and (value == old or value.startswith(old + "/")):
+        return new + value[len(old):]
+    if isinstance(value, list):
+        return [_relocate(v, old, new) for v in value]
+    if isinstance(value, dict):
+        return {k: _relocate(v, old, new) for k, v in value.items()}
+    return value
+
+
+class Entry:
+    """One (kind, key) directory of the store."""
+
+    def __init__(self, cache_root: Path, kind: str, key: str):
+        self.root = Path(cache_root)
+        self.kind, self.key = kind, key
+        self.path = self.root / kind / key
+        self.manifest_path = self.path / MANIFEST
+        self.lock_path = self.root / LOCKS / f"{kind}--{key}.lock"
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}/{self.key}"
+
+    # ------------------------------------------------------------ reading
+
+    def problem(self) -> str | None:
+        """Why this entry cannot be trusted, or None when its manifest and every file it lists check out."""
+        if not self.manifest_path.is_file():
+            return "no entry yet" if not self.path.exists() else "no manifest (an earlier attempt did not finish)"
+        try:
+            manifest = json.loads(self.manifest_path.read_text())
+            files = manifest["files"]
+            if manifest.get("format") != FORMAT or not isinstance(files, dict):
+                return f"manifest format {manifest.get('format')!r} is not {FORMAT}"
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"manifest unreadable or truncated ({type(exc).__name__}: {exc})"
+        for rel, want in files.items():
+            p = self.path / rel
+            if not p.is_file():
+                return f"{rel} is missing"
+            if p.stat().st_size != want.get("size"):
+                return f"{rel} has {p.stat().st_size} bytes, the manifest says {want.get('size')}"
+            if file_digest(p)["sha256"] != want.get("sha256"):
+                return f"{rel} does not match its sha256 in the manifest"
+        return None
+
+    def load(self, model: type[M], quiet: bool = False) -> M | None:
+        """The verified result, or None (logging why the entry is not used, unless quiet)."""
+        problem = self.problem()
+        if problem is None:
+            try:
+                manifest = json.loads(self.manifest_path.read_text())
+                result = _relocate(manifest["result"], ENTRY_PLACEHOLDER, str(self.path))
+                return model.model_validate_json(json.dumps(result))
+            except (OSError, ValueError, KeyError, ValidationError) as exc:
+                problem = f"stored result does not validate as {model.__name__} ({exc})".splitlines()[0]
+        if quiet:
+            return None
+        if problem == "no entry yet":
+            run_logger().info("%s: not cached: %s", self.label, problem)
+        elif not self.manifest_path.is_file() and self.being_produced():
+            pass  # a live concurrent writer, not an abandoned attempt: lock() says at INFO that this run waits for it
+        else:
+            run_logger().warning("%s: not cached: %s", self.label, problem)
+        return None
+
+    def being_produced(self) -> bool:
+        """Whether another writer holds the entry's lock right now (a probe: the lock is released at once)."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            if not _try_lock(fd):
+                return True
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------ writing (hold the lock)
+
+    def commit(self, result: BaseModel, outputs: Sequence[str]) -> None:
+        """Hash the outputs (files, or directories of files, relative to the entry) and write the manifest last."""
+        files: dict[str, Any] = {}
+        for rel in outputs:
+            p = self.path / rel
+            if p.is_dir():
+                found = sorted(f for f in p.rglob("*") if f.is_file() and f.name != MANIFEST)
+            elif p.is_file():
+                found = [p]
+            else:
+                raise StoreError(f"{self.label}: the step finished without writing {rel}")
+            for f in found:
+                files[str(f.relative_to(self.path))] = file_digest(f)
+        if not files:
+            raise StoreError(f"{self.label}: the step produced no files")
+        stored = _relocate(result.model_dump(mode="json"), str(self.path), ENTRY_PLACEHOLDER)
+        manifest = {"format": FORMAT, "kind": self.kind, "key": self.key,
+                    "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "files": files, "result": stored}
+        write_atomic(self.manifest_path, json.dumps(manifest, indent=1))
+
+    def invalidate(self, keep: Sequence[str] = ()) -> None:
+        """Remove the manifest first (so nothing half-rewritten is ever trusted), then everything not in `keep`."""
+        self.manifest_path.unlink(missing_ok=True)
+        if not self.path.is_dir():
+            return
+        for child in self.path.iterdir():
+            if child.name in keep:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the entry's exclusive lock; while another process holds it, wait and say so."""
+        logger = run_logger()
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not _try_lock(fd):
+                started = time.monotonic()
+                logger.info("waiting for %s: another run is producing it (%s)", self.label, _holder(self.lock_path))
+                report_at, interval = started + WAIT_REPORT_SECONDS, WAIT_REPORT_SECONDS
+                while not _try_lock(fd):
+                    time.sleep(LOCK_POLL_SECONDS)
+                    if time.monotonic() >= report_at:
+                        logger.info("still waiting for %s: %.0f s so far (%s)", self.label,
+                                    time.monotonic() - started, _holder(self.lock_path))
+                        interval = min(2 * interval, MAX_WAIT_REPORT_SECONDS)
+                        report_at = time.monotonic() + interval
+                logger.info("acquired the lock of %s after waiting %.1f s", self.label, time.monotonic() - started)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                      "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}).encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # closing the only descriptor releases the flock
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _holder(lock_path: Path) -> str:
+    try:
+        info = json.loads(lock_path.read_text())
+        return f"held by pid {info['pid']} on {info['host']} since {info['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "holder unknown"
+
+
+def reuse_or_produce(entry: Entry, model: type[M], produce: Callable[[], M], outputs: Sequence[str],
+                     keep: Sequence[str] = ()) -> tuple[M, bool]:
+    """The verified entry, or produce it under the entry's lock. Returns (result, reused).
+
+    Double-checked: a second identical run waits for the lock, finds the entry the first one committed, and
+    reuses it. `produce` writes into `entry.path`; `keep` names what a new attempt keeps from an unfinished one
+    (training keeps its checkpoints to resume from them).
+    """
+    found = entry.load(model)
+    if found is not None:
+        return found, True
+    with entry.lock():
+        found = entry.load(model, quiet=True)
+        if found is not None:
+            run_logger().info("%s: produced by another run while this one waited; reusing it", entry.label)
+            return found, True
+        entry.invalidate(keep)
+        entry.path.mkdir(parents=True, exist_ok=True)
+        result = produce()
+        entry.commit(result, outputs)
+        return result, False
+
+
+def step_state(result: M, reused: bool, entry: Entry):
+    """What a step task returns: the result, or a Completed state named `Cached` (shown so in the Prefect UI)."""
+    if not reused:
+        return result
+    from prefect.states import Completed
+
+    return Completed(name="Cached", data=result, message=f"reused {entry.path} (manifest verified)")

@@ -1,0 +1,130 @@
+"""Content fingerprints for cache keys: what truly determines a step's output.
+
+Each step's key includes the versions of the libraries that compute it and the source of the project modules
+that do (`STEP_CODE`), so an upgrade or a code change recomputes instead of silently reusing. The cache root is
+not in the keys: entries live under it (finetune_flows/store/entries.py), so a run with another cache root never sees them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from finetune_flows.errors import DataError, ModelSourceError
+
+_PROJECT = Path(__file__).resolve().parents[1]  # the finetune_flows package
+
+# The libraries whose version can change each step's output.
+STEP_LIBRARIES: dict[str, tuple[str, ...]] = {
+    "prepare-dataset": ("transformers", "tokenizers", "datasets"),
+    "quantize-base-model": ("torch", "transformers", "bitsandbytes", "accelerate"),
+    "train-adapter": ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "liger-kernel", "flash-attn",
+                      "flash-attn-3", "flash-attn-4"),
+    "evaluate-adapter": ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "flash-attn", "flash-attn-3",
+                         "flash-attn-4"),
+    "evaluate-checkpoint": ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "flash-attn",
+                            "flash-attn-3", "flash-attn-4"),  # the same worker: peft only for the adapter's row
+    "merge-adapter": ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors"),
+}
+
+# The engine modules (paths under finetune_flows/) whose source can change each step's output. Modules not present
+# (yet) are skipped, so a step's list may name a module another change is about to add.
+STEP_CODE: dict[str, tuple[str, ...]] = {
+    "prepare-dataset": ("data/dataset", "data/demo"),
+    "quantize-base-model": ("models/quantize", "models/sources"),
+    "train-adapter": ("training/train", "training/worker", "data/packing", "models/attention", "training/planner",
+                      "training/distributed", "training/sharding", "training/compiling", "models/dequantize",
+                      "config/plan"),
+    "evaluate-adapter": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
+                         "models/dequantize"),
+    "evaluate-checkpoint": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
+                            "models/dequantize"),
+    "merge-adapter": ("export/merge", "models/dequantize"),
+}
+
+
+def hash_bytes_of(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(str(path.name).encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_tree(root: Path, suffixes: tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()) -> str:
+    """Hash every file under root (names and bytes), optionally only those with given suffixes, less the files
+    named in `exclude`."""
+    files = sorted(p for p in Path(root).rglob("*") if p.is_file() and (suffixes is None or p.suffix in suffixes)
+                   and p.name not in exclude)
+    h = hashlib.sha256()
+    for p in files:
+        h.update(str(p.relative_to(root)).encode())
+        h.update(hash_bytes_of([p]).encode())
+    return h.hexdigest()
+
+
+def code_version(*modules: str) -> str:
+    """Hash of the source of the given engine modules (`"data/dataset"`) that exist, so a code change invalidates
+    what it affects."""
+    return hash_bytes_of([p for p in (_PROJECT / f"{m}.py" for m in sorted(modules)) if p.is_file()])[:16]
+
+
+def package_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def step_versions(step: str) -> dict[str, Any]:
+    """The code and library versions that go into a step's key."""
+    return {"code": code_version(*STEP_CODE[step]),
+            "libraries": {d: package_version(d) for d in STEP_LIBRARIES[step]}}
+
+
+def resolve_hub_revision(repo_id: str, revision: str | None, repo_type: str) -> str:
+    """The commit a Hub reference (branch, tag or None = main) points to now: asked of the Hub, or, offline,
+    read from the local Hub cache (what that reference pointed to when it was downloaded)."""
+    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().repo_info(repo_id, repo_type=repo_type, revision=revision).sha
+    except Exception as exc:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        ref = Path(HF_HUB_CACHE) / f"{repo_type}s--{repo_id.replace('/', '--')}" / "refs" / (revision or "main")
+        if ref.is_file():
+            return ref.read_text().strip()
+        raise LookupError(f"cannot resolve {repo_type} {repo_id}@{revision or 'main'} to a commit: not reachable "
+                          f"({type(exc).__name__}) and not in the local Hub cache {HF_HUB_CACHE}") from None
+
+
+def pin_hub_revisions(cfg):
+    """The config with Hub model/dataset revisions pinned to commits, so cache keys see upstream changes and
+    config.resolved.yaml records exactly what was read. Local and built-in sources are returned unchanged."""
+    model, data = cfg.model, cfg.data
+    source = model.source
+    if not (source.startswith(("builtin:", "generated:", ".", "/", "~")) or Path(source).expanduser().exists()):
+        try:
+            model = model.model_copy(update={"revision": resolve_hub_revision(model.source, model.revision, "model")})
+        except LookupError as exc:
+            raise ModelSourceError(f"model.source={cfg.model.source}: {exc}") from None
+    if data.source.startswith("hub:"):
+        try:
+            data = data.model_copy(update={"hub_revision": resolve_hub_revision(data.source[4:], data.hub_revision,
+                                                                                "dataset")})
+        except LookupError as exc:
+            raise DataError(f"data.source={data.source}: {exc}") from None
+    return cfg.model_copy(update={"model": model, "data": data})
+
+
+def combine(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]

@@ -1,0 +1,1 @@
+"""Training: the step's launch and attempts, the rank worker, planner, distributed and Ray launchers."""

@@ -1,0 +1,138 @@
+"""Compiled decoder layers (`train.compile`): how they are compiled, and under `auto` whether the run repays it.
+
+`torch.compile` of each decoder layer (dynamic shapes) fuses the elementwise work and cuts kernel launches, for
+1.8x the tokens/s of the same dequantized base uncompiled on an H200 with 10k-token micro-batches
+(benchmarks/results/train-bench-1xGPU-20261201-032103) and 1.46x with the GPU proof's 1.2k-token ones. Compiling
+costs time before the first compiled step (on the H200, Qwen3-0.6B shape: 75-98 s with an empty compile cache, 52 s
+with a warm one), which a short run never earns back: the proof's 60-step flow trained in 100 s compiled and 54 s
+eager (benchmarks/results/compile-auto-1xGPU-20261202-103200).
+
+So under `auto` the layers start eager. After MEASURE_STEPS steps (an attempt's first step left out) the median
+eager step time `t` and the optimizer steps left `n` give what compiling would save, n * t * (1 - 1/SPEEDUP), and
+it is weighed against what compiling costs: the compilation last measured for this layer on this GPU model and
+torch version (`compile-seconds.json` in the run cache's compile folder), or DEFAULT_COST_S before any was. Rank 0
+decides for every rank. A run that compiles measures its compilation (its first compiled step's time less `t`)
+and records it for the next one. `train.compile=true` compiles before the first step; `false` never.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import statistics
+from pathlib import Path
+
+from finetune_flows.store.entries import write_atomic
+
+MEASURE_STEPS = 5  # eager steps timed before deciding
+# The lower of the two speedups measured on the H200 (above): a decision must not count on the larger one.
+SPEEDUP = 1.45
+# Compilation plus the first compiled step less an eager one, measured on H200s for the Qwen3-0.6B shape with an
+# empty compile cache: 98 s mid-run, 75 s (with the first step's own start-up) before the first step, on two
+# machines (benchmarks/results/ above). Used until this GPU model has a measurement of its own.
+DEFAULT_COST_S = 90.0
+RECORD = "compile-seconds.json"
+
+
+def compile_decoder_layers(model, **compile_options) -> None:
+    """torch.compile each decoder layer of the PEFT model: one graph serves every layer and any packed length.
+    The frozen embedding's output does not require grad while every later layer's input does, and Dynamo guards on
+    that, so the first layer alone would be compiled again (a recompile on "hidden_states requires_grad mismatch",
+    which doubled the compilation); its input is made to require grad, at the cost of one input gradient more."""
+    model.enable_input_require_grads()
+    for layer in model.get_base_model().model.layers:
+        layer.compile(dynamic=True, **compile_options)
+
+
+def layer_key(model_config) -> str:
+    """What a recorded compile time is for: the layer's architecture and width, and the compiler's version."""
+    import torch
+
+    return f"{model_config.model_type}-{model_config.hidden_size}-torch{torch.__version__}"
+
+
+def recorded_cost(record: Path | None, key: str) -> float | None:
+    if record is None:
+        return None
+    try:
+        return float(json.loads(record.read_text())[key])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def record_cost(record: Path, key: str, seconds: float) -> None:
+    """One writer at a time (an exclusive lock on the record's folder, so concurrent runs on one cache keep each
+    other's keys), written atomically (readers see a whole file; the last measurement of a key wins)."""
+    record.parent.mkdir(parents=True, exist_ok=True)
+    folder = os.open(record.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)  # released when closed, also if this process dies
+        try:
+            data = json.loads(record.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[key] = round(seconds, 1)
+        write_atomic(record, json.dumps(data, indent=1, sort_keys=True))
+    finally:
+        os.close(folder)
+
+
+def decide(eager_seconds: list[float], steps_left: int, cost: float | None) -> tuple[bool, str]:
+    """Whether compiling now pays for itself, and the sentence that says why."""
+    t = statistics.median(eager_seconds)
+    gain = steps_left * t * (1 - 1 / SPEEDUP)
+    known = cost is not None
+    cost = cost if known else DEFAULT_COST_S
+    worth = gain > cost
+    why = (f"{steps_left} steps left x {t:.3f} s eager = {steps_left * t:.0f} s; compiled ({SPEEDUP}x) that saves "
+           f"{gain:.0f} s {'>' if worth else '<='} {cost:.0f} s to compile ("
+           + ("last measured on this GPU model" if known else "assumed: none measured on this GPU model yet") + ")")
+    return worth, why
+
+
+def compile_when_it_pays(model, clock, record: Path | None, gather, say, **compile_options):
+    """A Trainer callback (added after the one that feeds `clock`): times the eager steps, decides, compiles, and
+    measures and records the compilation. `gather` collects one value per rank (rank 0's decides); `say` prints on
+    rank 0."""
+    from transformers import TrainerCallback
+
+    key = layer_key(model.config)
+
+    class CompileWhenItPays(TrainerCallback):
+        first = None  # the attempt's first step (a resumed attempt starts past 0)
+        decided = False
+        compiled_at = None
+        eager = None  # median eager step seconds at the decision
+        cost = None  # measured compilation seconds
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.first = state.global_step
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.compiled_at is not None and self.cost is None and state.global_step == self.compiled_at + 1:
+                self.cost = max(0.0, clock.steps[-1][1] - self.eager)
+                say(f"decoder layers compiled in {self.cost:.1f} s (the first compiled step less an eager one)")
+                if record is not None and state.is_world_process_zero:
+                    record_cost(record, key, self.cost)
+            if self.decided:
+                return
+            # every rank holds the same steps (saves land on the same ones), so all reach this point together
+            eager = [sec for step, sec, _, excluded in clock.steps if step > self.first + 1 and not excluded]
+            if len(eager) < MEASURE_STEPS:
+                return
+            self.decided = True
+            worth, why = decide(eager, state.max_steps - state.global_step, recorded_cost(record, key))
+            worth = bool(gather(worth)[0])
+            say(f"train.compile=auto at step {state.global_step}: {why}: "
+                + ("compiling the decoder layers now" if worth else "the layers stay eager"))
+            if worth:
+                self.eager = statistics.median(eager)
+                clock.exclude()  # the compilation lands in the next step
+                compile_decoder_layers(model, **compile_options)
+                self.compiled_at = state.global_step
+
+        def summary(self) -> dict:
+            return {"compiled_at_step": self.compiled_at, "compile_seconds": self.cost}
+
+    return CompileWhenItPays()

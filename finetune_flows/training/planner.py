@@ -1,0 +1,287 @@
+"""The memory planner: how many tokens per micro-batch, how much gradient accumulation, whether to checkpoint.
+
+From the model's shape, the free memory of the selected GPUs (capped at `hardware.memory_budget_gib`) and the
+dataset's row lengths it picks the largest packed micro-batch (in tokens) that fits, then the accumulation that
+makes each optimizer step cover the effective batch the config asks for (`per_device_batch_size *
+gradient_accumulation_steps` rows per rank, converted to tokens with the mean row length), and turns activation
+checkpointing on only when even a micro-batch worth running does not fit without it. Values the user sets explicitly
+(`train.micro_batch_tokens`, `train.gradient_checkpointing`) win. The plan records its predicted peak so the run can
+report prediction against measurement.
+
+The memory model, per rank (bytes):
+- frozen base: 4-bit linear weights (0.5 byte/param + block constants), embeddings/lm_head/norms in their dtype;
+- LoRA: weights, gradients and AdamW moments in fp32 (16 bytes/param);
+- activations saved for backward, per token and layer (no checkpointing): the normed inputs and the residual
+  stream, q and k projected, normed and rotated, v, the attention output, the MLP's gate/up/product; with
+  checkpointing only each layer's input is kept (plus one layer recomputed at a time);
+- logits: with a fused linear cross-entropy (Liger) a bounded chunk, else T x vocab in bf16 + fp32 + grad;
+- a fixed reserve for the CUDA context, allocator slack, NCCL buffers and kernels' workspaces.
+Under FSDP (`shards` ranks, finetune_flows/training/sharding.py) each rank keeps 1/shards of the base and of the LoRA state, plus the
+units gathered at a time (the current and the prefetched decoder layer) and the lm_head, which stays gathered from
+the end of the forward pass through the start of the backward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel
+
+GIB = 2**30
+CONTEXT_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL, allocator slack
+BUDGET_FRACTION = 0.70  # of free memory for everything we allocate: reserved stays well below 80% of the GPU
+USEFUL_TOKENS = 4096  # below this a micro-batch underfills an H100-class GPU: worth checkpointing to get there
+MAX_MICRO_BATCH_TOKENS = 65536  # beyond this, larger micro-batches no longer speed anything up
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelShape:
+        heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        return cls(hidden=hidden, intermediate=config["intermediate_size"], layers=config["num_hidden_layers"],
+                   heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
+                   head_dim=config.get("head_dim") or hidden // heads, vocab=config["vocab_size"],
+                   tied=bool(config.get("tie_word_embeddings", False)))
+
+    @classmethod
+    def from_checkpoint(cls, path: Path) -> ModelShape:
+        return cls.from_config(json.loads((Path(path) / "config.json").read_text()))
+
+    @property
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each projection of one layer, by module name."""
+        h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def linear_params(self) -> int:
+        return self.layers * sum(a * b for a, b in self.linear_shapes.values())
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    def lora_params(self, r: int, targets: list[str] | str) -> int:
+        names = self.linear_shapes if targets == "all-linear" else [t for t in targets if t in self.linear_shapes]
+        return self.layers * sum(r * sum(self.linear_shapes[n]) for n in names)
+
+    def flops_per_token(self, seq_len: float) -> float:
+        """Training FLOPs per token with a frozen base: forward 2N, backward (input gradients only) 2N, over the
+        linear layers and the lm_head, plus causal attention (QK^T and PV, forward and backward)."""
+        n = self.linear_params + self.vocab * self.hidden
+        attention = 2 * 2 * self.layers * self.heads * self.head_dim * seq_len / 2  # causal: half the scores
+        return 4 * n + attention * 3  # attention backward ~2x its forward
+
+    def activation_bytes_per_token(self, checkpointing: bool, dtype_bytes: int, residual_bytes: int) -> float:
+        """Bytes saved for backward per token, summed over layers."""
+        h, i = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        # q and k three times each (the projection's output, the normed one, the rotated one the attention kernel
+        # keeps), v, the attention's output (o_proj's input), and the MLP's gate, up and their product. The rotated
+        # q/k were missing until measured on an H200 (benchmarks/results/train-bench-1xGPU-20261202-230939): the step
+        # allocated 1.22x (0.6B shape) and 1.11x (8B) what the model without them predicted.
+        per_layer = (4 * h) * residual_bytes + (4 * q + 4 * kv + 3 * i) * dtype_bytes
+        if checkpointing:
+            return self.layers * h * residual_bytes + per_layer
+        return self.layers * per_layer
+
+
+class TrainingPlan(BaseModel):
+    """What the planner chose, and why (published in the training-plan artifact and the run summary)."""
+
+    packing: bool
+    micro_batch_tokens: int  # packed tokens per micro-batch (with packing); 0 for padded batches
+    micro_batch_rows: int  # padded rows per micro-batch (without packing); 0 with packing
+    gradient_accumulation_steps: int
+    gradient_checkpointing: bool
+    tokens_per_step: float  # target real tokens per optimizer step per rank
+    predicted_peak_gib: float
+    budget_gib: float | None  # memory the plan may use per GPU (None on the CPU)
+    reasons: list[str]
+    dequantize_base: bool = False  # hold the NF4 weights dequantized (the same numbers, no per-call dequant)
+    compile_layers: bool = False  # torch.compile each decoder layer (fused elementwise, fewer launches)
+    compile_deferred: bool = False  # ... only once the first steps show the run repays it (finetune_flows/training/compiling.py)
+
+
+def _linear_bytes_per_param(four_bit: bool, dtype_bytes: int) -> float:
+    return 0.5 + 0.5 / 64 * 1.0 / 2 if four_bit else dtype_bytes  # nf4 + 8-bit absmax/64
+
+
+def _base_bytes(shape: ModelShape, four_bit: bool, frozen_bytes: int, dtype_bytes: int) -> float:
+    linear = shape.linear_params * _linear_bytes_per_param(four_bit, dtype_bytes)
+    return linear + shape.embedding_params * frozen_bytes + shape.layers * 6 * shape.hidden * frozen_bytes
+
+
+def _sharded_base_bytes(shape: ModelShape, whole: float, shards: int, four_bit: bool, frozen_bytes: int,
+                        dtype_bytes: int) -> float:
+    layer = sum(a * b for a, b in shape.linear_shapes.values()) * _linear_bytes_per_param(four_bit, dtype_bytes)
+    return whole / shards + 2 * layer + shape.vocab * shape.hidden * frozen_bytes
+
+
+def _logit_bytes_per_token(shape: ModelShape, fused_ce: bool) -> float:
+    if fused_ce:
+        return 4 * shape.hidden  # chunked: transient logits bounded to a few x hidden per token
+    return shape.vocab * (2 + 4 + 4)  # bf16 logits, their fp32 upcast in the loss, and the gradient
+
+
+def memory_parts(shape: ModelShape, tokens: int, *, checkpointing: bool, four_bit: bool, lora_r: int,
+                 lora_targets: list[str] | str, fused_ce: bool, dtype_bytes: int = 2, upcast: bool = True,
+                 shards: int = 1) -> dict[str, float]:
+    """Predicted memory of one rank for a micro-batch of `tokens` packed tokens, in bytes, by part: the frozen base,
+    the adapter (weights, gradients, AdamW moments), the activations and logits, the fixed reserve."""
+    frozen = 4 if upcast else dtype_bytes
+    # with PEFT's fp32 upcast the embeddings hand fp32 to the first norm and bitsandbytes returns each projection in
+    # its input's dtype, so every saved activation is fp32 (measured: 28.9 vs 14.4 GiB, Qwen3-0.6B, 10k tokens)
+    act = 4 if upcast else dtype_bytes
+    weights = _base_bytes(shape, four_bit, frozen, dtype_bytes)
+    lora = 16 * shape.lora_params(lora_r, lora_targets) / shards
+    if shards > 1:
+        weights = _sharded_base_bytes(shape, weights, shards, four_bit, frozen, dtype_bytes)
+    per_token = shape.activation_bytes_per_token(checkpointing, act, act)
+    per_token += _logit_bytes_per_token(shape, fused_ce)
+    return {"base": weights, "adapter": lora, "activations": tokens * per_token, "reserve": CONTEXT_RESERVE}
+
+
+def peak_bytes(shape: ModelShape, tokens: int, **kw) -> float:
+    """Predicted peak memory of one rank for a micro-batch of `tokens` packed tokens (memory_parts' keywords)."""
+    return sum(memory_parts(shape, tokens, **kw).values())
+
+
+def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
+                  rows_per_step: int, packing: bool, micro_batch_tokens: int | None, checkpointing: bool | str,
+                  four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
+                  dtype_bytes: int = 2, upcast: bool = True, per_device_rows: int = 8,
+                  accumulation: int = 1, dequantize: bool = False,
+                  compile_layers: bool = False, compile_deferred: bool = False, shards: int = 1,
+                  memory: str = "the free memory") -> TrainingPlan:
+    """Choose micro-batch size, accumulation, checkpointing and whether to hold the base dequantized (asked for by
+    `dequantize`). `free_mib` is the memory to plan with per GPU (None on the CPU), `memory` what it is (the free
+    memory, or hardware.memory_budget_gib). Compiled layers need the dequantized base; `compile_deferred` compiles
+    them only once the first steps show the run repays it.
+
+    The dequantized base gets its own micro-batches (its bf16 weights leave less room for them), with the
+    checkpointing the 4-bit base needs (`auto`), and is held wherever they fit: at equal checkpointing, dropping the
+    per-call dequantization and compiling the layers were measured faster (benchmarks/README.md), while turning
+    checkpointing on to make room for the bf16 weights runs the forward pass a second time."""
+    batches = dict(max_row=max_row, mean_row=mean_row, rows_per_step=rows_per_step, packing=packing,
+                   micro_batch_tokens=micro_batch_tokens, lora_r=lora_r, lora_targets=lora_targets,
+                   fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, per_device_rows=per_device_rows,
+                   accumulation=accumulation, shards=shards, memory=memory)
+    plan = _plan_batches(shape, free_mib=free_mib, four_bit=four_bit, checkpointing=checkpointing, **batches)
+    if not four_bit or not dequantize:
+        if compile_layers and four_bit:
+            plan.reasons.append("decoder layers not compiled: the 4-bit matmuls cannot be (train.dequantize_base "
+                                "makes them plain ones)")
+        return plan.model_copy(update={"compile_layers": compile_layers and not four_bit,
+                                       "compile_deferred": compile_layers and not four_bit and compile_deferred})
+    ckpt = plan.gradient_checkpointing
+    auto = checkpointing == "auto"
+    try:
+        held = _plan_batches(shape, free_mib=free_mib, four_bit=False, checkpointing=ckpt if auto else checkpointing,
+                             ckpt_why="auto: decided for the 4-bit base" if auto else "train.gradient_checkpointing",
+                             **batches)
+        fits = held.budget_gib is None or held.predicted_peak_gib <= held.budget_gib
+    except ValueError:  # not even a micro-batch holding the longest row fits beside the dequantized weights
+        held, fits = None, False
+    if not fits:
+        tokens = plan.micro_batch_tokens or plan.micro_batch_rows * max_row
+        peak = peak_bytes(shape, tokens, checkpointing=ckpt, four_bit=False, lora_r=lora_r, lora_targets=lora_targets,
+                          fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, shards=shards)
+        plan.reasons.append(f"NF4 base kept 4-bit: dequantized it would need {peak / GIB:.1f} GiB at this micro-batch, "
+                            f"and no micro-batch {'with' if ckpt else 'without'} activation checkpointing that holds "
+                            f"the longest row fits beside the dequantized weights"
+                            + (f" in {plan.budget_gib:.1f} GiB" if plan.budget_gib is not None else "")
+                            + ("; so decoder layers not compiled (4-bit matmuls cannot be)" if compile_layers else ""))
+        return plan
+    held.reasons.append("NF4 base held dequantized in the compute dtype: the same weights every 4-bit matmul "
+                        "multiplies by, without dequantizing them again on every call"
+                        + (f" ({held.predicted_peak_gib:.1f} GiB predicted)" if held.budget_gib is not None else ""))
+    if compile_layers:
+        held.reasons.append("decoder layers compiled (torch.compile, dynamic shapes)" + (
+            " once the first steps' measured time shows the rest of the run repays the compilation "
+            "(train.compile=auto; true compiles before the first step)" if compile_deferred else ""))
+    return held.model_copy(update={"dequantize_base": True, "compile_layers": compile_layers,
+                                   "compile_deferred": compile_layers and compile_deferred})
+
+
+def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
+                  rows_per_step: int, packing: bool, micro_batch_tokens: int | None, checkpointing: bool | str,
+                  four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
+                  dtype_bytes: int, upcast: bool, per_device_rows: int, accumulation: int,
+                  shards: int, memory: str, ckpt_why: str = "train.gradient_checkpointing") -> TrainingPlan:
+    reasons: list[str] = []
+    target = rows_per_step * mean_row
+    common = dict(four_bit=four_bit, lora_r=lora_r, lora_targets=lora_targets, fused_ce=fused_ce,
+                  dtype_bytes=dtype_bytes, upcast=upcast, shards=shards)
+    budget = None if free_mib is None else free_mib * 2**20 * BUDGET_FRACTION
+
+    def fits(tokens: int, ckpt: bool) -> bool:
+        return budget is None or peak_bytes(shape, tokens, checkpointing=ckpt, **common) <= budget
+
+    def largest(ckpt: bool) -> int:
+        if budget is None:
+            return MAX_MICRO_BATCH_TOKENS
+        fixed = peak_bytes(shape, 0, checkpointing=ckpt, **common)
+        per = (peak_bytes(shape, 1, checkpointing=ckpt, **common) - fixed)
+        return max(0, min(MAX_MICRO_BATCH_TOKENS, int((budget - fixed) / per)))
+
+    if not packing:
+        ckpt = True if checkpointing == "auto" else bool(checkpointing)
+        peak = peak_bytes(shape, per_device_rows * max_row, checkpointing=ckpt, **common)
+        reasons.append(f"padded batches of {per_device_rows} rows as configured (train.packing=false)")
+        return TrainingPlan(packing=False, micro_batch_tokens=0, micro_batch_rows=per_device_rows,
+                            gradient_accumulation_steps=accumulation, gradient_checkpointing=ckpt,
+                            tokens_per_step=target, predicted_peak_gib=round(peak / GIB, 2),
+                            budget_gib=None if budget is None else round(budget / GIB, 2), reasons=reasons)
+
+    if checkpointing == "auto":
+        wanted = max(max_row, min(math.ceil(target), USEFUL_TOKENS))
+        ckpt = largest(False) < wanted
+        reasons.append("activation checkpointing on: without it a micro-batch of "
+                       f"{wanted} tokens does not fit" if ckpt else
+                       f"no activation checkpointing: up to {largest(False)} tokens fit without it")
+    else:
+        ckpt = bool(checkpointing)
+        reasons.append(f"activation checkpointing {'on' if ckpt else 'off'} ({ckpt_why})")
+
+    if micro_batch_tokens:
+        cap = micro_batch_tokens
+        reasons.append(f"micro-batch of {cap} tokens (train.micro_batch_tokens)")
+    else:
+        cap = largest(ckpt)
+        reasons.append(f"at most {cap} tokens fit in a micro-batch"
+                       + (f" ({budget / GIB:.1f} GiB = {BUDGET_FRACTION:.0%} of {memory})" if budget else ""))
+    if cap < max_row:
+        raise ValueError(f"the longest row ({max_row} tokens) does not fit in one micro-batch ({cap} tokens "
+                         "at most): lower data.max_length, turn on train.gradient_checkpointing, or use more memory")
+    steps_needed = max(1, math.ceil(target / cap))
+    tokens = max(max_row, math.ceil(target / steps_needed))
+    if not micro_batch_tokens:
+        reasons.append(f"{rows_per_step} rows x {mean_row:.0f} mean tokens = {target:.0f} tokens per optimizer step "
+                       f"-> {steps_needed} micro-batch(es) of <= {tokens} tokens")
+    else:
+        tokens = cap
+        steps_needed = max(1, math.ceil(target / cap))
+    peak = peak_bytes(shape, tokens, checkpointing=ckpt, **common)
+    if budget is not None and not fits(tokens, ckpt):
+        reasons.append("warning: the predicted peak exceeds the budget; an out-of-memory retry halves the "
+                       "micro-batch")
+    return TrainingPlan(packing=True, micro_batch_tokens=tokens, micro_batch_rows=0,
+                        gradient_accumulation_steps=steps_needed, gradient_checkpointing=ckpt, tokens_per_step=target,
+                        predicted_peak_gib=round(peak / GIB, 2),
+                        budget_gib=None if budget is None else round(budget / GIB, 2), reasons=reasons)

@@ -1,0 +1,186 @@
+"""Step 5: QLoRA training with peft and the transformers Trainer, launched as `torchrun --nproc_per_node=N`.
+
+Each rank loads the 4-bit checkpoint onto its own device; DDP runs over NCCL on GPUs and gloo on the CPU. The
+output directory is content-addressed (everything that determines the adapter), so a retry, or a rerun after a
+crash, finds the last checkpoint there and resumes with its optimizer, scheduler and RNG state.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from finetune_flows.training.attempts import run_attempts, split_limit, whole_run
+from finetune_flows.training.compiling import RECORD as COMPILE_RECORD
+from finetune_flows.orchestration.concurrency import device_slots
+from finetune_flows.config.schema import FinetuneConfig
+from finetune_flows.data.dataset import PreparedDataset
+from finetune_flows.training.distributed import fingerprint_parts, train_command, world_size
+from finetune_flows.config.plan import Plan, compile_setting, dequantize_setting, liger_setting, upcast_setting
+from finetune_flows.errors import UserInputError
+from finetune_flows.store.fingerprint import combine, step_versions
+from finetune_flows.runtime.gpus import GpuSelection
+from finetune_flows.runtime.launcher import compile_caches, compile_root, run_worker, training_env, write_job
+from finetune_flows.logs import run_logger
+from finetune_flows.training.planner import ModelShape, TrainingPlan, plan_training
+from finetune_flows.config.preflight import check_lora_targets
+from finetune_flows.reporting.progress import ProgressReporter
+from finetune_flows.models.quantize import QuantizedModel
+from finetune_flows.store.entries import Entry, reuse_or_produce, step_state
+from finetune_flows.training.checkpoints import last_checkpoint
+
+# train.* settings that cannot change the adapter: bookkeeping, checkpoint cadence (a resume restores the
+# optimizer, scheduler and RNG state, so where it resumes from does not change the result) and retries. Every
+# other train.* setting is part of the adapter's cache key; extend this set only with settings that provably do
+# not change the trained weights.
+TRAIN_KEYS_NOT_IN_CACHE_KEY = frozenset({"logging_steps", "save_steps", "save_total_limit", "retries",
+                                         "retry_delay_seconds"})
+# What a finished entry holds; checkpoints stay beside it (a later attempt resumes from them) but are not part
+# of the output.
+TRAIN_OUTPUTS = ("adapter", "train_metrics.json")
+
+
+class TrainResult(BaseModel):
+    adapter_path: Path
+    output_dir: Path
+    fingerprint: str
+    steps: int
+    world_size: int
+    device: str
+    loss_curve: list[tuple[int, float]]  # (step, loss)
+    first_loss: float
+    final_loss: float
+    # tokens, seconds and tokens/s over all attempts (a resumed run repeats the steps after its checkpoint; the
+    # figures count that work too); the last attempt's own figures and its steady state beside them
+    tokens_per_second: float  # real (non-padding) tokens over all ranks / training seconds, all attempts
+    train_tokens: int
+    train_seconds: float
+    peak_memory_mb: float  # max over ranks: CUDA max reserved, or process max RSS on CPU
+    resumed_from_step: int | None
+    backend: str | None = None  # torch.distributed backend (nccl on GPUs, gloo on the CPU)
+    strategy: str = "ddp"  # ddp | fsdp (hardware.strategy as resolved)
+    rank_steps: list[int] = []  # optimizer steps each rank finished (equal under DDP)
+    devices: list[str] = []  # device name per rank
+    rank_tokens: list[int] = []  # real tokens each rank trained on (packing balances them)
+    rank_param_mb: list[float] = []  # MiB of parameters each rank holds (its shards under fsdp)
+    peak_allocated_mb: float | None = None
+    steady_tokens_per_second: float | None = None  # median over windows after warm-up, save steps left out
+    steady_state: dict[str, Any] = {}
+    training_plan: TrainingPlan | None = None
+    micro_batch_split: int = 1
+    layout: str = ""
+    last_attempt_tokens: int | None = None
+    last_attempt_seconds: float | None = None
+    last_attempt_tokens_per_second: float | None = None
+    compiled_at_step: int | None = None  # decoder layers compiled before this step (0: from the start; None: eager)
+    compile_seconds: float | None = None  # measured, where train.compile=auto compiled during the run
+    peak_process_memory_mb: float | None = None  # max over ranks: the process's GPU memory as NVML sees it
+    attempts: list[dict[str, Any]] = []  # every attempt: outcome, split, resumed from, steps, tokens, seconds
+    oom_adaptations: list[dict[str, Any]] = []  # each out-of-memory attempt and the split it led to
+
+
+def train_key_parts(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan) -> dict[str, Any]:
+    """Everything the adapter depends on (the README's cache-key table lists the same)."""
+    return {"data": data.fingerprint, "base": base.fingerprint, "lora": cfg.lora.model_dump(mode="json"),
+            "train": cfg.train.model_dump(mode="json", exclude=set(TRAIN_KEYS_NOT_IN_CACHE_KEY)),
+            "ranks": plan.nproc, "device": plan.device, "precision": plan.precision, "attention": plan.train_attn,
+            "launch": fingerprint_parts(cfg, plan), **step_versions("train-adapter")}
+
+
+def train_fingerprint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan) -> str:
+    return combine(train_key_parts(cfg, data, base, plan))
+
+
+def row_lengths(data: PreparedDataset) -> list[int]:
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    return pc.list_value_length(pq.read_table(data.path / "train.parquet", columns=["input_ids"])["input_ids"]
+                                ).to_pylist()
+
+
+def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan,
+                  gpus: GpuSelection) -> TrainingPlan:
+    """The memory planner's choice for this model, data and the selected GPUs (finetune_flows/training/planner.py)."""
+    lengths = row_lengths(data)
+    t = cfg.train
+    budget = cfg.hardware.memory_budget_gib
+    free = gpus.planning_mib(budget) if plan.device == "cuda" else None
+    capped = free is not None and budget is not None and free < gpus.planning_mib()
+    memory = f"hardware.memory_budget_gib={budget:g}" if capped else "the free memory"
+    try:
+        return plan_training(
+            ModelShape.from_checkpoint(base.path), free_mib=free, max_row=max(lengths),
+            mean_row=sum(lengths) / len(lengths), rows_per_step=t.per_device_batch_size * t.gradient_accumulation_steps,
+            packing=t.packing, micro_batch_tokens=t.micro_batch_tokens, checkpointing=t.gradient_checkpointing,
+            four_bit=base.load_in_4bit, lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
+            fused_ce=liger_setting(cfg, plan), dtype_bytes=2 if plan.compute_dtype != "float32" else 4,
+            upcast=upcast_setting(cfg), per_device_rows=t.per_device_batch_size,
+            accumulation=t.gradient_accumulation_steps, dequantize=dequantize_setting(cfg, plan),
+            compile_layers=compile_setting(cfg, plan), compile_deferred=cfg.train.compile == "auto",
+            shards=world_size(cfg, plan) if plan.strategy == "fsdp" else 1, memory=memory)
+    except ValueError as exc:
+        raise UserInputError(f"training plan{f' (within {memory})' if capped else ''}: {exc}") from None
+
+
+def publish_training_plan(tplan: TrainingPlan) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
+    lines = ["| choice | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in tplan.model_dump().items() if k != "reasons"]
+    md = "# Training plan\n\n" + "\n".join(lines) + "\n\n" + "\n".join(f"- {r}" for r in tplan.reasons) + "\n"
+    try:
+        create_markdown_artifact(md, key="training-plan", description="Micro-batch, accumulation, checkpointing")
+    except Exception as exc:  # outside a Prefect run
+        run_logger().debug("training plan artifact not created: %s", exc)
+
+
+# What an unfinished attempt leaves for the next one: the checkpoints it resumes from (torchrun's, and Ray Train's
+# run storage under ray/), the log, and the whole-run accounting (finetune_flows/training/attempts.py).
+RESUMABLE = ("checkpoints", "ray", "train.log", "attempts.json", "adapt.json")
+
+
+def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan, gpus: GpuSelection,
+                  run_dir: Path):
+    """Reuse the verified adapter, or train it under the entry's lock (held for the whole attempt, so no other
+    run writes the checkpoints it resumes from); a retry resumes from the last complete checkpoint."""
+    entry = Entry(cfg.cache_root, "adapters", train_fingerprint(cfg, data, base, plan))
+    out = entry.path
+    tplan = training_plan(cfg, data, base, plan, gpus)
+    if plan.strategy_choice:
+        tplan.reasons.insert(0, plan.strategy_choice)
+        if cfg.hardware.strategy == "fsdp" and plan.strategy == "ddp":
+            run_logger().warning(plan.strategy_choice)
+    run_logger().info("training plan: %s", "; ".join(tplan.reasons))
+    publish_training_plan(tplan)
+
+    def resume_point() -> int | None:
+        resume = last_checkpoint(out / "checkpoints")
+        if resume is not None:
+            run_logger().warning("found %s from an interrupted attempt: resuming from it", resume)
+        return int(resume.name.split("-")[-1]) if resume else None
+
+    def attempt(split: int, observe) -> None:
+        job = write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
+                        base=str(base.path), data=str(data.path), load_in_4bit=base.load_in_4bit,
+                        fingerprint=entry.key, training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
+                        upcast_frozen=upcast_setting(cfg), micro_batch_split=split,
+                        compile_record=str(compile_root(cfg.cache_root, gpus) / COMPILE_RECORD))
+        with ProgressReporter(cfg.train.max_steps) as progress:
+            run_worker("train", train_command(cfg, plan, job, entry.key),
+                       training_env({**gpus.env, **compile_caches(cfg.cache_root, gpus)}), out,
+                       on_event=lambda event: (observe(event), progress(event)),
+                       stop_grace=cfg.hardware.stop_grace_seconds)
+
+    def produce() -> TrainResult:
+        check_lora_targets(base.path, cfg.lora.target_modules, cfg.model.trust_remote_code)  # before torchrun
+        limit = split_limit(tplan.packing, tplan.micro_batch_tokens, tplan.micro_batch_rows, max(row_lengths(data)))
+        with device_slots(gpus.ids):  # lock order: the entry's lock (held by the caller), then the devices
+            run_attempts(out, limit, resume_point, attempt)
+        return TrainResult.model_validate(whole_run(out, json.loads((out / "train_metrics.json").read_text())))
+
+    result, reused = reuse_or_produce(entry, TrainResult, produce, TRAIN_OUTPUTS, keep=RESUMABLE)
+    return step_state(result, reused, entry)

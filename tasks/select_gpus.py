@@ -1,0 +1,13 @@
+"""select-gpus: the GPUs the workers get, from the environment probe's reading (finetune_flows/runtime/gpus.py)."""
+
+from __future__ import annotations
+
+from finetune_flows.orchestration.steps import step
+from finetune_flows.runtime import gpus
+from finetune_flows.runtime.gpus import GpuInfo, GpuSelection
+
+
+@step(name="select-gpus", task_run_name="select-gpus({spec})", tags=["setup"])
+def select_gpus(spec: str, inventory: list[GpuInfo]) -> GpuSelection:
+    """Pick GPUs from the environment probe's reading (the one `hardware.gpus` was checked against) and log it."""
+    return gpus.select_gpus(spec, inventory)
