@@ -55,7 +55,7 @@ def latest_task_run_states() -> dict[str, str]:
     with get_client(sync_client=True) as client:
         (run,) = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
-    names = {t.name.split("[")[0]: t.state.name for t in tasks}  # task run names are `<step>[<what>]`
+    names = {t.name.split("(")[0]: t.state.name for t in tasks}  # task run names are `<step>(<what>)`
     return {step: state for step, state in names.items() if step in ALL_STEPS}
 
 
