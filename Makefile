@@ -136,12 +136,13 @@ deploy: pool limits
 
 # Flow runs execute in this checkout (the pull step in deployments/prefect.yaml reads FINETUNE_FLOWS_ROOT), under
 # this host's policy (finetune_flows/runtime/policy.py): what runs may read, write and execute. The first `make worker` writes it
-# with safe defaults; edit it on the host, run parameters cannot change it.
+# with safe defaults; edit it on the host, run parameters cannot change it. The worker (deployments/worker.py) is
+# Prefect's process worker that refuses a run whose job variables the pool's template does not declare (`env`, ...).
 FINETUNE_FLOWS_POLICY ?= $(HOME)/.config/finetune-flows/worker-policy.yaml
 worker: pool limits
 	$(PY) -m finetune_flows.runtime.policy $(FINETUNE_FLOWS_POLICY)
 	FINETUNE_FLOWS_POLICY=$(FINETUNE_FLOWS_POLICY) FINETUNE_FLOWS_ROOT=$(CURDIR) \
-	  $(PREFECT) worker start --pool $(POOL) --type process --name $(POOL)-$$(hostname)
+	  $(PY) -m deployments.worker --pool $(POOL) --name $(POOL)-$$(hostname)
 
 # The deployment tests drive the Prefect UI in headless Chromium (Debian's package; CI runs as root).
 test-deps:

@@ -90,13 +90,27 @@ def runs(stack, host):
         "remote_code": True, "data_roots": [host / "data"], "output_roots": [host / "runs"],
         "cache_roots": [host / "cache"]})
     # the pool's template takes no `env` or `command`, so a caller who gets past the server's check of job
-    # variables (POST /flow_runs/ does not check them) reaches the worker with both: the command must not run
-    # and the swapped policy must be refused by the flow
+    # variables (POST /flow_runs/ does not check them) reaches the worker with both: the worker must refuse the run
+    # before any process starts (Prefect's own process worker would put the caller's PYTHONPATH, whose
+    # sitecustomize.py runs at interpreter start, in the flow process's environment)
     ids["policy-swap"] = created_past_the_check(stack, "finetune/on-demand", overrides=tiny(host, **{
         "model.trust_remote_code": "true"}), job_variables={
-            "env": {"FINETUNE_FLOWS_POLICY": str(swapped)}, "command": f"touch {host / 'marker-api'}"})
+            "env": {"FINETUNE_FLOWS_POLICY": str(swapped), "PYTHONPATH": str(planted(host, "policy-swap"))},
+            "command": f"touch {host / 'marker-api'}"})
+    # the same through a dotted name, which Prefect's worker also merges into `env`
+    ids["env-dotted"] = created_past_the_check(stack, "finetune/on-demand", overrides=tiny(host), job_variables={
+        "env.PYTHONPATH": str(planted(host, "env-dotted"))})
     finished = stack.wait_for(list(ids.values()), timeout=900)
     return {name: (i, finished[i]) for name, i in ids.items()}
+
+
+def planted(host: Path, name: str) -> Path:
+    """A directory whose sitecustomize.py (run by any Python that has it on PYTHONPATH) writes marker-<name>."""
+    directory = host / "planted" / name
+    directory.mkdir(parents=True)
+    marker = host / f"marker-{name}"
+    (directory / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('caller code ran')\n")
+    return directory
 
 
 def created_past_the_check(stack, name: str, job_variables: dict, **params) -> str:
@@ -106,10 +120,14 @@ def created_past_the_check(stack, name: str, job_variables: dict, **params) -> s
 
     with stack.client() as client:
         deployment = client.read_deployment_by_name(name)
-    reply = httpx.post(f"{stack.api_url}/flow_runs/", timeout=30, json={
-        "flow_id": str(deployment.flow_id), "deployment_id": str(deployment.id), "parameters": params,
-        "work_pool_name": "finetune-gpu", "work_queue_name": "default", "job_variables": job_variables,
-        "state": {"type": "SCHEDULED", "name": "Scheduled"}})
+    for attempt in range(10):  # 503: the server's SQLite was busy (Prefect's own client retries the same way)
+        reply = httpx.post(f"{stack.api_url}/flow_runs/", timeout=30, json={
+            "flow_id": str(deployment.flow_id), "deployment_id": str(deployment.id), "parameters": params,
+            "work_pool_name": "finetune-gpu", "work_queue_name": "default", "job_variables": job_variables,
+            "state": {"type": "SCHEDULED", "name": "Scheduled"}})
+        if reply.status_code != 503:
+            break
+        time.sleep(1 + attempt)
     assert reply.status_code == 201, reply.text
     return reply.json()["id"]
 
@@ -155,14 +173,31 @@ def test_the_pool_refuses_a_run_that_sets_command_env_or_working_dir(stack, host
     assert not marker.exists()
 
 
-def test_a_job_variable_cannot_swap_the_worker_policy_or_run_a_command(stack, host, runs):
-    flow_run_id, run = runs["policy-swap"]
-    assert not (host / "marker-api").exists()  # the worker started the flow, not the caller's command
-    assert run.state.type.value == "FAILED", run.state.message
+@pytest.mark.parametrize("name, refused", [
+    ("policy-swap", ["the run's job variables set command, which the pool's template does not declare (a run may "
+                     "set only labels, name, stream_output)",
+                     "the run's job variables set env (FINETUNE_FLOWS_POLICY, PYTHONPATH), which the pool's template "
+                     "does not declare"]),
+    ("env-dotted", ["the run's job variables set env.PYTHONPATH, which the pool's template does not declare"]),
+])
+def test_a_job_variable_cannot_swap_the_worker_policy_or_run_a_command(stack, host, runs, name, refused):
+    """A run created past the server's check (POST /flow_runs/) with `env` or `command`: `make worker`'s worker
+    (deployments/worker.py) refuses it before the flow process starts, so no caller code runs, not even at
+    interpreter start, and the run ends Crashed with the refusal."""
+    flow_run_id, run = runs[name]
+    assert not (host / f"marker-{name}").exists()  # the caller's sitecustomize.py never ran
+    assert not (host / "marker-api").exists()  # nor the caller's command
+    assert run.state.type.value == "CRASHED", run.state.message
+    message = run.state.message
+    assert "refused by the worker, before the flow process started: " in message, message
+    for problem in refused:
+        assert problem in message, message
     text = messages(stack, flow_run_id)
-    assert "the run's job variables set env FINETUNE_FLOWS_POLICY: the worker policy is the worker host's" in text, (
-        text[-3000:])
-    assert "run allowed" not in text
+    assert refused[0] in text, text[-3000:]
+    with stack.client() as client:
+        states = [state.type.value for state in client.read_flow_run_states(run.id)]
+    assert "RUNNING" not in states, states  # no flow process ever reported in
+    assert "run allowed" not in text and "worker policy" not in text
 
 
 def test_refused_runs_left_no_run_directory_and_no_cache_entry(host, runs):
@@ -187,3 +222,28 @@ def test_the_allowed_run_completes_and_never_shows_the_hosts_token(stack, host, 
     for f in run_dir.rglob("*"):
         if f.is_file():
             assert SECRET.encode() not in f.read_bytes(), f
+
+
+def test_a_pool_template_changed_through_the_api_keeps_the_worker_from_starting_runs(stack, host, runs, tmp_path):
+    """Whoever can update the work pool through the API could declare `env` again (Prefect's default process
+    template does): the server then lets `prefect deployment run --job-variable env=...` through, but the worker
+    checks against the host's deployments/process-pool-template.json and refuses every run while the server's
+    copy differs. Last in the module: it changes the pool, and `make pool` sets it back."""
+    from prefect.workers.process import ProcessWorker
+
+    template = tmp_path / "prefect-default-template.json"
+    template.write_text(json.dumps(ProcessWorker.get_default_base_job_template()))
+    stack.run([PREFECT, "work-pool", "update", "finetune-gpu", "--base-job-template", str(template)])
+    try:
+        time.sleep(35)  # the worker reads the pool again at its next heartbeat (every 30 s)
+        flow_run_id = stack.deployment_run("finetune/on-demand", overrides=tiny(host), job_variables={
+            "env": {"PYTHONPATH": str(planted(host, "pool-changed"))}})
+        run = stack.wait_for([flow_run_id], timeout=300)[flow_run_id]
+    finally:
+        stack.make("pool")
+    assert not (host / "marker-pool-changed").exists()
+    assert run.state.type.value == "CRASHED", run.state.message
+    message = run.state.message
+    assert "refused by the worker, before the flow process started: the base job template of work pool " \
+           "'finetune-gpu' on the server differs from this worker's process-pool-template.json" in message, message
+    assert "the run's job variables set env (PYTHONPATH), which the pool's template does not declare" in message

@@ -118,7 +118,9 @@ def refuse_host_settings_in_job_variables() -> None:
     """A process worker starts the flow with its own environment updated by the job variables' `env` (the
     deployment's, then the run's), and any API caller can set those: `--job-variable env='{"FINETUNE_FLOWS_POLICY":
     ...}'` would point the run at a policy of the caller's. The policy path, and the `command` that starts the flow
-    process, are the worker host's: a run whose job variables set either is refused (read from the server)."""
+    process, are the worker host's: a run whose job variables set either is refused (read from the server).
+    `make worker`'s worker (deployments/worker.py) refuses such runs before they start; this catches them under a
+    worker started without that check."""
     from uuid import UUID
 
     from prefect import get_client
