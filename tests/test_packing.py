@@ -246,3 +246,49 @@ def test_split_pack_keeps_order_and_balance():
     assert split_pack([0], lengths, 2) == [[], [0]] or split_pack([0], lengths, 2) == [[0], []]
     empty = PackedCollator(7)([[]])  # an empty piece is one ignored token: every DDP rank stays in step
     assert empty["input_ids"].tolist() == [[7]] and empty["labels"].tolist() == [[IGNORE_INDEX]]
+
+
+@pytest.mark.train
+def test_compiled_layers_under_activation_checkpointing_train_as_the_eager_layers_do():
+    """Within a memory budget the planner can hold the base dequantized with compiled layers *and* checkpoint them
+    (Qwen3-8B within 24 GiB): each compiled layer then runs again in the backward pass, inside the checkpoint. Set
+    up as build_model does it (checkpointing before the adapter, compiling after); AOTAutograd's own backend, so the
+    compiled forward and backward graphs run without building kernels. The same loss and LoRA gradients as the eager
+    model without checkpointing, and no recompile when the checkpoint reruns a layer."""
+    from peft import LoraConfig, get_peft_model
+
+    from finetune_flows.training.compiling import compile_decoder_layers
+
+    def model(checkpointed: bool):
+        base = tiny_qwen3(2).train()
+        for p in base.parameters():
+            p.requires_grad_(False)
+        if checkpointed:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                                               task_type="CAUSAL_LM", init_lora_weights=False))
+        peft.config.use_cache = False
+        use_packed_attention(peft, "rows")
+        return peft
+
+    def step(m):
+        losses = [m(**PackedCollator(0)([random_rows(lengths, seed=i)])).loss
+                  for i, lengths in enumerate(([5, 17], [30, 2, 11, 6]))]
+        sum(losses).backward()
+        return [x.detach() for x in losses], {n: p.grad for n, p in m.named_parameters() if "lora_" in n}
+
+    want_losses, want_grads = step(model(False))
+    compiled = model(True)
+    torch._dynamo.reset()
+    try:
+        compile_decoder_layers(compiled, backend="aot_eager")
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            losses, grads = step(compiled)
+    finally:
+        torch._dynamo.reset()
+    assert all(layer._compiled_call_impl is not None for layer in compiled.get_base_model().model.layers)
+    assert compiled.get_base_model().model.layers[0].gradient_checkpointing  # the checkpoint wraps the compiled call
+    torch.testing.assert_close(losses, want_losses)
+    assert grads.keys() == want_grads.keys() and all(g is not None for g in grads.values())
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], msg=name)

@@ -34,7 +34,7 @@ from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.store.entries import write_atomic
 from finetune_flows.training.distributed import plan_problems, world_size
-from finetune_flows.training.planner import BUDGET_FRACTION, GIB, ModelShape, memory_parts
+from finetune_flows.training.planner import CAP_FRACTION, GIB, ModelShape, memory_parts
 from finetune_flows.training.sharding import readable_model_config, resolve_strategy
 
 STACK = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "prefect", "kernels",
@@ -189,7 +189,7 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
                 compute_dtype=compute, train_attn=train_attn, eval_attn=eval_attn, eval_dtype=eval_dtype,
                 attention_choice=why)
     strategy, choice = resolve_strategy(cfg, on_gpu=on_gpu, ranks=world_size(cfg, plan),
-                                        free_mib=selection.planning_mib(budget),
+                                        free_mib=selection.planning_mib(),
                                         dtype_bytes=4 if compute == "float32" else 2)
     plan = plan.model_copy(update={"strategy": strategy, "strategy_choice": choice})
     if on_gpu and budget is not None and (short := budget_shortfall(cfg, plan)):
@@ -218,7 +218,7 @@ def budget_shortfall(cfg: FinetuneConfig, plan: Plan) -> str | None:
                          fused_ce=liger_setting(cfg, plan), dtype_bytes=4 if plan.compute_dtype == "float32" else 2,
                          upcast=upcast_setting(cfg), shards=shards)
     need = sum(parts.values())
-    if need <= budget * GIB * BUDGET_FRACTION:
+    if need <= budget * GIB * CAP_FRACTION:
         return None
     gib = {k: f"{v / GIB:.1f} GiB" for k, v in parts.items()}
     weights = "the base weights (linear layers in 4 bits)" if four_bit else "the base weights"
@@ -227,8 +227,8 @@ def budget_shortfall(cfg: FinetuneConfig, plan: Plan) -> str | None:
             + (f", sharded over {shards} ranks" if shards > 1 else "")
             + f", {gib['adapter']} for the LoRA adapter with its gradients and optimizer state, {gib['activations']} "
             f"for one {tokens}-token row (data.max_length) with activation checkpointing, {gib['reserve']} for the "
-            f"CUDA context and workspaces), and the planner plans with {BUDGET_FRACTION:.0%} of the budget: set at "
-            f"least {math.ceil(10 * need / GIB / BUDGET_FRACTION) / 10:.1f}, or null for the whole GPU")
+            f"CUDA context and workspaces), and the planner plans with {CAP_FRACTION:.0%} of the budget: set at "
+            f"least {math.ceil(10 * need / GIB / CAP_FRACTION) / 10:.1f}, or null for the whole GPU")
 
 
 def report_markdown(env: EnvironmentReport, plan: Plan | None = None) -> str:

@@ -50,13 +50,10 @@ class GpuSelection(BaseModel):
         # PCI_BUS_ID makes CUDA number devices as nvidia-smi does; an empty list hides every GPU (CPU run).
         return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, self.ids))}
 
-    def planning_mib(self, budget_gib: float | None = None) -> int | None:
-        """The memory the planner plans with per GPU: the least free memory among the selected GPUs, capped at
-        `hardware.memory_budget_gib`; None on the CPU."""
-        free = min((g.memory_free_mib for g in self.gpus), default=None)
-        if free is None or budget_gib is None:
-            return free
-        return min(free, int(budget_gib * 1024))
+    def planning_mib(self) -> int | None:
+        """The free memory the planner plans from per GPU (finetune_flows/training/planner.py planning_bytes): the
+        least among the selected GPUs; None on the CPU."""
+        return min((g.memory_free_mib for g in self.gpus), default=None)
 
     def describe(self) -> str:
         if not self.ids:

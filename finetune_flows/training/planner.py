@@ -1,12 +1,12 @@
 """The memory planner: how many tokens per micro-batch, how much gradient accumulation, whether to checkpoint.
 
-From the model's shape, the free memory of the selected GPUs (capped at `hardware.memory_budget_gib`) and the
-dataset's row lengths it picks the largest packed micro-batch (in tokens) that fits, then the accumulation that
-makes each optimizer step cover the effective batch the config asks for (`per_device_batch_size *
-gradient_accumulation_steps` rows per rank, converted to tokens with the mean row length), and turns activation
-checkpointing on only when even a micro-batch worth running does not fit without it. Values the user sets explicitly
-(`train.micro_batch_tokens`, `train.gradient_checkpointing`) win. The plan records its predicted peak so the run can
-report prediction against measurement.
+From the model's shape, the memory it may plan with per GPU (`planning_bytes`: a share of the selected GPUs' free
+memory, or of `hardware.memory_budget_gib` where that is less) and the dataset's row lengths it picks the largest packed
+micro-batch (in tokens) that fits, then the accumulation that makes each optimizer step cover the effective batch the
+config asks for (`per_device_batch_size * gradient_accumulation_steps` rows per rank, converted to tokens with the
+mean row length), and turns activation checkpointing on only when even a micro-batch worth running does not fit
+without it. Values the user sets explicitly (`train.micro_batch_tokens`, `train.gradient_checkpointing`) win. The
+plan records its predicted peak so the run can report prediction against measurement.
 
 The memory model, per rank (bytes):
 - frozen base: 4-bit linear weights (0.5 byte/param + block constants), embeddings/lm_head/norms in their dtype;
@@ -32,7 +32,14 @@ from pydantic import BaseModel
 
 GIB = 2**30
 CONTEXT_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL, allocator slack
-BUDGET_FRACTION = 0.70  # of free memory for everything we allocate: reserved stays well below 80% of the GPU
+MIB = 2**20
+BUDGET_FRACTION = 0.70  # of a GPU's free memory: others may share the GPU and grow after we measured it
+# Of a declared hardware.memory_budget_gib: the workers cap the allocator at it, and nothing else grows into it. The
+# memory model's own reserve (CONTEXT_RESERVE) already holds the CUDA context; what the allocator reserved on an H200
+# ran 7-8% over the rest of the prediction (benchmarks/results/train-bench-1xGPU-20261203-082613: 0.6B at 12 GiB
+# 6.17 GiB against 5.77, 8B at 24 GiB 11.40 against 10.54, 8B whole 70.93 against 65.98), and the context 1.28 GiB:
+# a plan predicted at 90% of the budget then holds about 1.08 x (0.9 x budget - 1.5) + 1.3 GiB, under the budget.
+CAP_FRACTION = 0.90
 USEFUL_TOKENS = 4096  # below this a micro-batch underfills an H100-class GPU: worth checkpointing to get there
 MAX_MICRO_BATCH_TOKENS = 65536  # beyond this, larger micro-batches no longer speed anything up
 
@@ -162,17 +169,28 @@ def peak_bytes(shape: ModelShape, tokens: int, **kw) -> float:
     return sum(memory_parts(shape, tokens, **kw).values())
 
 
+def planning_bytes(free_mib: int | None, budget_gib: float | None = None) -> tuple[float | None, str]:
+    """The bytes a plan may use per GPU, and what they are: BUDGET_FRACTION of the free memory, or CAP_FRACTION of
+    `hardware.memory_budget_gib` where that is less; (None, "") on the CPU."""
+    if free_mib is None:
+        return None, ""
+    free = free_mib * MIB * BUDGET_FRACTION
+    if budget_gib is None or free <= budget_gib * GIB * CAP_FRACTION:
+        return free, f"{BUDGET_FRACTION:.0%} of the free memory"
+    return budget_gib * GIB * CAP_FRACTION, f"{CAP_FRACTION:.0%} of hardware.memory_budget_gib={budget_gib:g}"
+
+
 def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
                   rows_per_step: int, packing: bool, micro_batch_tokens: int | None, checkpointing: bool | str,
                   four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
                   dtype_bytes: int = 2, upcast: bool = True, per_device_rows: int = 8,
                   accumulation: int = 1, dequantize: bool = False,
                   compile_layers: bool = False, compile_deferred: bool = False, shards: int = 1,
-                  memory: str = "the free memory") -> TrainingPlan:
+                  budget_gib: float | None = None) -> TrainingPlan:
     """Choose micro-batch size, accumulation, checkpointing and whether to hold the base dequantized (asked for by
-    `dequantize`). `free_mib` is the memory to plan with per GPU (None on the CPU), `memory` what it is (the free
-    memory, or hardware.memory_budget_gib). Compiled layers need the dequantized base; `compile_deferred` compiles
-    them only once the first steps show the run repays it.
+    `dequantize`). `free_mib` is the least free memory of the selected GPUs (None on the CPU), `budget_gib`
+    `hardware.memory_budget_gib` (planning_bytes: what the plan may use of them). Compiled layers need the
+    dequantized base; `compile_deferred` compiles them only once the first steps show the run repays it.
 
     The dequantized base gets its own micro-batches (its bf16 weights leave less room for them), with the
     checkpointing the 4-bit base needs (`auto`), and is held wherever they fit: at equal checkpointing, dropping the
@@ -181,7 +199,7 @@ def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
     batches = dict(max_row=max_row, mean_row=mean_row, rows_per_step=rows_per_step, packing=packing,
                    micro_batch_tokens=micro_batch_tokens, lora_r=lora_r, lora_targets=lora_targets,
                    fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, per_device_rows=per_device_rows,
-                   accumulation=accumulation, shards=shards, memory=memory)
+                   accumulation=accumulation, shards=shards, budget_gib=budget_gib)
     plan = _plan_batches(shape, free_mib=free_mib, four_bit=four_bit, checkpointing=checkpointing, **batches)
     if not four_bit or not dequantize:
         if compile_layers and four_bit:
@@ -223,12 +241,13 @@ def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
                   rows_per_step: int, packing: bool, micro_batch_tokens: int | None, checkpointing: bool | str,
                   four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
                   dtype_bytes: int, upcast: bool, per_device_rows: int, accumulation: int,
-                  shards: int, memory: str, ckpt_why: str = "train.gradient_checkpointing") -> TrainingPlan:
+                  shards: int, budget_gib: float | None,
+                  ckpt_why: str = "train.gradient_checkpointing") -> TrainingPlan:
     reasons: list[str] = []
     target = rows_per_step * mean_row
     common = dict(four_bit=four_bit, lora_r=lora_r, lora_targets=lora_targets, fused_ce=fused_ce,
                   dtype_bytes=dtype_bytes, upcast=upcast, shards=shards)
-    budget = None if free_mib is None else free_mib * 2**20 * BUDGET_FRACTION
+    budget, share = planning_bytes(free_mib, budget_gib)
 
     def fits(tokens: int, ckpt: bool) -> bool:
         return budget is None or peak_bytes(shape, tokens, checkpointing=ckpt, **common) <= budget
@@ -265,7 +284,7 @@ def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
     else:
         cap = largest(ckpt)
         reasons.append(f"at most {cap} tokens fit in a micro-batch"
-                       + (f" ({budget / GIB:.1f} GiB = {BUDGET_FRACTION:.0%} of {memory})" if budget else ""))
+                       + (f" ({budget / GIB:.1f} GiB = {share})" if budget else ""))
     if cap < max_row:
         raise ValueError(f"the longest row ({max_row} tokens) does not fit in one micro-batch ({cap} tokens "
                          "at most): lower data.max_length, turn on train.gradient_checkpointing, or use more memory")

@@ -31,7 +31,7 @@ from typing import Any
 
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.models.sources import ARCHS
-from finetune_flows.training.planner import BUDGET_FRACTION, GIB, ModelShape, peak_bytes
+from finetune_flows.training.planner import GIB, ModelShape, peak_bytes, planning_bytes
 from finetune_flows.errors import UserInputError
 
 MIB = 2**20
@@ -52,7 +52,8 @@ def readable_model_config(source: str) -> dict | None:
 
 def resolve_strategy(cfg: FinetuneConfig, *, on_gpu: bool, ranks: int, free_mib: int | None,
                      dtype_bytes: int) -> tuple[str, str]:
-    """(ddp | fsdp, why) for `hardware.strategy` on this machine; `ranks` is the world size of the run."""
+    """(ddp | fsdp, why) for `hardware.strategy` on this machine; `ranks` is the world size of the run, `free_mib`
+    the least free memory of its GPUs (the planner's share of it, or of `hardware.memory_budget_gib`)."""
     wanted = cfg.hardware.strategy
     if ranks == 1 and wanted != "ddp":
         return "ddp", (f"hardware.strategy={wanted} with a single rank: nothing to shard, training with ddp")
@@ -67,7 +68,7 @@ def resolve_strategy(cfg: FinetuneConfig, *, on_gpu: bool, ranks: int, free_mib:
         return "ddp", ("auto: ddp, the model's shape cannot be read before it is fetched; set "
                        "hardware.strategy=fsdp to shard it")
     shape = ModelShape.from_config({"vocab_size": 32000, **config})
-    budget = free_mib * MIB * BUDGET_FRACTION
+    budget = planning_bytes(free_mib, cfg.hardware.memory_budget_gib)[0]
     common = dict(checkpointing=True, four_bit=cfg.quantization.load_in_4bit, lora_r=cfg.lora.r,
                   lora_targets=cfg.lora.target_modules, fused_ce=False, dtype_bytes=dtype_bytes, upcast=False)
     whole = peak_bytes(shape, cfg.data.max_length, **common)

@@ -25,7 +25,7 @@ from finetune_flows.store.fingerprint import combine, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.runtime.launcher import compile_caches, compile_root, run_worker, training_env, write_job
 from finetune_flows.logs import run_logger
-from finetune_flows.training.planner import ModelShape, TrainingPlan, plan_training
+from finetune_flows.training.planner import ModelShape, TrainingPlan, plan_training, planning_bytes
 from finetune_flows.config.preflight import check_lora_targets
 from finetune_flows.reporting.progress import ProgressReporter
 from finetune_flows.models.quantize import QuantizedModel
@@ -108,9 +108,8 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     lengths = row_lengths(data)
     t = cfg.train
     budget = cfg.hardware.memory_budget_gib
-    free = gpus.planning_mib(budget) if plan.device == "cuda" else None
-    capped = free is not None and budget is not None and free < gpus.planning_mib()
-    memory = f"hardware.memory_budget_gib={budget:g}" if capped else "the free memory"
+    free = gpus.planning_mib() if plan.device == "cuda" else None
+    share = planning_bytes(free, budget)[1]
     try:
         return plan_training(
             ModelShape.from_checkpoint(base.path), free_mib=free, max_row=max(lengths),
@@ -121,9 +120,9 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             upcast=upcast_setting(cfg), per_device_rows=t.per_device_batch_size,
             accumulation=t.gradient_accumulation_steps, dequantize=dequantize_setting(cfg, plan),
             compile_layers=compile_setting(cfg, plan), compile_deferred=cfg.train.compile == "auto",
-            shards=world_size(cfg, plan) if plan.strategy == "fsdp" else 1, memory=memory)
+            shards=world_size(cfg, plan) if plan.strategy == "fsdp" else 1, budget_gib=budget)
     except ValueError as exc:
-        raise UserInputError(f"training plan{f' (within {memory})' if capped else ''}: {exc}") from None
+        raise UserInputError(f"training plan{f' (within {share})' if share else ''}: {exc}") from None
 
 
 def publish_training_plan(tplan: TrainingPlan) -> None:
