@@ -24,6 +24,7 @@ import shutil
 import time
 from pathlib import Path
 
+import psutil
 from pydantic import BaseModel
 
 from finetune_flows.orchestration.concurrency import device_slots
@@ -85,9 +86,7 @@ def _free_bytes(device) -> int:
 
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return info["MemAvailable"]
+    return psutil.virtual_memory().available  # MemAvailable
 
 
 def _parameter_count(base_path: Path, trust_remote_code: bool) -> int:
