@@ -133,6 +133,11 @@ def checkpoint_key_parts(cfg: FinetuneConfig, data: PreparedDataset, base: Quant
             "checkpoint": checkpoint_fingerprint(checkpoint)}
 
 
+def checkpoint_eval_fingerprint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, checkpoint: Path,
+                                plan: Plan) -> str:
+    return combine(checkpoint_key_parts(cfg, data, base, checkpoint, plan))
+
+
 def publish_eval(report: EvalReport) -> None:
     # Prefect here, not at the top: the engine imports without it
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -188,7 +193,7 @@ def evaluate_checkpoint(cfg: FinetuneConfig, data: PreparedDataset, base: Quanti
                         plan: Plan, gpus: GpuSelection):
     """Score base and a merged checkpoint, reusing a verified evaluation of the same inputs (keyed by the
     checkpoint's content, wherever it lies)."""
-    entry = Entry(cfg.cache_root, "evals", combine(checkpoint_key_parts(cfg, data, base, checkpoint, plan)))
+    entry = Entry(cfg.cache_root, "evals", checkpoint_eval_fingerprint(cfg, data, base, checkpoint, plan))
     produce = _producer(cfg, data, base, plan, gpus, entry, checkpoint=str(checkpoint))
     report, reused = reuse_or_produce(entry, EvalReport, produce, outputs=["eval.json"])
     _log_scores(report)
