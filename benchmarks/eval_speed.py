@@ -289,9 +289,9 @@ def main() -> int:
     from finetune_flows.runtime.environment import STACK, _version
     from finetune_flows.evaluation.worker import _load_with_adapter, auto_batch_tokens
     from finetune_flows.evaluation.generation import (
-        choose_engine, continuous_supports, generate_continuous, generate_reference, generate_static,
-        stop_token_ids,
+        choose_engine, continuous_supports, generate_continuous, generate_reference, stop_token_ids,
     )
+    from finetune_flows.evaluation.static_engine import generate_static
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -5,7 +5,7 @@ Scores base and base + adapter (one model, the adapter switched off and on), or 
 greedy decoding. With the `static`/`continuous` engines the base is the dequantized evaluation copy of the 4-bit
 base (finetune_flows/models/dequantize.py), placed on one GPU or, when it does not fit one, spread over the selected GPUs; with
 `generate` it is the 4-bit model, as before. A merged checkpoint loads the same way, in the same dtype. The
-orchestrator side is `finetune_flows/evaluation/evaluate.py`; the engines are in `finetune_flows/evaluation/generation.py`.
+orchestrator side is `finetune_flows/evaluation/evaluate.py`; the engines are in `generation.py` and `static_engine.py`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from finetune_flows.data.dataset import IGNORE_INDEX, load_split
 from finetune_flows.models.dequantize import dequantized_copy
 from finetune_flows.config.plan import Plan
 from finetune_flows.evaluation.generation import (
-    Generation, choose_engine, generate_continuous, generate_reference, generate_static, kv_bytes_per_token,
-    length_sorted_batches, stop_token_ids,
+    Generation, choose_engine, generate_continuous, generate_reference, kv_bytes_per_token, stop_token_ids,
 )
+from finetune_flows.evaluation.static_engine import generate_static, length_sorted_batches
 from finetune_flows.models.kernels import apply_kernels
 from finetune_flows.runtime.gpus import cap_process_memory, free_bytes
 from finetune_flows.runtime.lifecycle import worker_main
