@@ -25,8 +25,7 @@ from finetune_flows.models.quantize import QuantizedModel
 from finetune_flows.orchestration.steps import Step
 from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.training.train import TRAIN_KEYS_NOT_IN_CACHE_KEY
-from tasks import evaluate_adapter, evaluate_checkpoint, merge_adapter, prepare_dataset, quantize_base_model
-from tasks import train_adapter
+from tasks import evaluate_adapter, evaluate_checkpoint, prepare_dataset, quantize_base_model, train_adapter
 
 # Each step's key as its task module declares it
 data_key, quantize_key = prepare_dataset.CACHE_KEY, quantize_base_model.CACHE_KEY
@@ -137,7 +136,7 @@ def test_prepare_dataset_row(tmp_path, tokenizer_dir, monkeypatch):
     row = readme_row("prepare-dataset")
     for named in ("`data.source`", "`data.eval_source`", "`data.hub_revision`", "`data.*`", "tokenizer",
                   "`model.revision`", "transformers", "tokenizers", "datasets", "`finetune_flows/data/dataset.py`",
-                  "`finetune_flows/data/demo.py`", "`quantization.*`", "`lora.*`", "`train.*`", "`eval.*`", "`run.*`"):
+                  "`finetune_flows/data/rows.py`", "`finetune_flows/data/demo.py`", "`quantization.*`", "`lora.*`", "`train.*`", "`eval.*`", "`run.*`"):
         assert named in row, named
     train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     train.write_text('{"prompt": "a", "response": "b"}\n')

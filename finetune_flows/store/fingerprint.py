@@ -34,7 +34,7 @@ STEP_LIBRARIES: dict[str, tuple[str, ...]] = {
 # The engine modules (paths under finetune_flows/) whose source can change each step's output. Modules not present
 # (yet) are skipped, so a step's list may name a module another change is about to add.
 STEP_CODE: dict[str, tuple[str, ...]] = {
-    "prepare-dataset": ("data/dataset", "data/demo"),
+    "prepare-dataset": ("data/dataset", "data/rows", "data/demo"),
     "quantize-base-model": ("models/quantize", "models/sources"),
     "train-adapter": ("training/train", "training/worker", "data/packing", "models/attention", "training/planner",
                       "training/distributed", "training/sharding", "training/compiling", "models/dequantize",
