@@ -11,9 +11,10 @@
 - `continuous`: transformers' continuous batching (`generate_batch`: paged KV cache sized here, requests joining
   and leaving the running batch). It is built for flash attention (varlen kernels, paged decode, CUDA graphs);
   with sdpa/eager its attention mask spans the whole running batch, so its cost grows with the batch squared.
-- `auto`: `static` (measured fastest here; `make bench-eval` compares the engines on a machine).
+- `auto`: `static`, the fastest in `make bench-eval`, which compares the engines on a machine. It lives in
+  static_engine.py; the others here.
 
-`static` and `continuous` run on the evaluation copy of the base (finetune_flows/models/dequantize.py) with the LoRA adapter
+`static` and `continuous` run on the evaluation copy of the base (models/dequantize.py) with the LoRA adapter
 unmerged, so base and base + adapter are one model with the adapter switched off and on. Every engine stops at
 the model's EOS/stop tokens and returns, per prompt, the generated token ids up to (not including) the first stop
 token; a prompt the engine failed on is reported, never silently dropped.

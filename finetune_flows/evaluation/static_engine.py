@@ -312,7 +312,7 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     scored): its cross-entropy is then computed from the prompt's cached keys and values (`details["loss"]` =
     [summed loss, scored tokens]), so an evaluation's loss pass need not read those prompts again.
     `grouped_decode` runs the decode steps on `_grouped_attention` (each KV head read once, not copied out to its
-    query heads; default on CUDA, where it made the decode steps 3.8x faster on an H200, and not on the CPU, where
+    query heads; default on CUDA, where it makes the decode steps faster (`make bench-eval`), and not on the CPU, where
     `_sdpa_gqa` already shares the heads); `details` gives the prefill and decode seconds and the decode steps."""
     import torch
 
