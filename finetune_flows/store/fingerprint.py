@@ -2,7 +2,7 @@
 
 Each step's key includes the versions of the libraries that compute it and the source of the project modules
 that do (`STEP_CODE`), so an upgrade or a code change recomputes instead of silently reusing. The cache root is
-not in the keys: entries live under it (finetune_flows/store/entries.py), so a run with another cache root never sees them.
+not in the keys: entries live under it (store/entries.py), so a run with another cache root never sees them.
 """
 
 from __future__ import annotations
