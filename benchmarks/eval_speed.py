@@ -237,7 +237,8 @@ def markdown(report: dict) -> str:
     phased = [r for r in report["rows"] if "error" not in r and "prefill_seconds" in r["base"].get("details", {})]
     if phased:
         lines += ["", "## Where the static engines' time goes (device synchronised per batch)", "",
-                  "| variant | attention | prefill s (base / adapter) | decode s | decode steps |", "|---|---|---|---|---|"]
+                  "| variant | attention | prefill s (base / adapter) | decode s | decode steps |",
+                  "|---|---|---|---|---|"]
         for r in phased:
             b, a = r["base"]["details"], r["adapter"]["details"]
             lines.append(f"| {r['variant']} | {r['attention']} | {b['prefill_seconds']} / {a['prefill_seconds']} | "
