@@ -1,7 +1,7 @@
 """Greedy generation for evaluation, by one of three engines (`eval.engine`):
 
 - `generate`: the reference. `model.generate()` over padded batches of `eval.batch_size` prompts in input order,
-  on the 4-bit model: what the pipeline always did, kept to compare against and for what the others cannot do.
+  on the 4-bit model: the baseline to compare against, and for what the others cannot do.
 - `static`: all prompts sorted by length and cut into a few large left-padded batches (`eval.batch_tokens`
   tokens each, so little padding), a static KV cache per batch, the prompt read in one forward pass, and on CUDA
   every decode step after the first replayed from one captured CUDA graph. A decode step of a small model is
@@ -93,7 +93,7 @@ def sync_device(device) -> None:
 
 def generate_reference(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
                        **generate_kwargs) -> Generation:
-    """Today's path: `model.generate()` on padded batches of `batch_size` prompts, in input order; `generate_kwargs`
+    """The reference: `model.generate()` on padded batches of `batch_size` prompts, in input order; `generate_kwargs`
     go to every generate() call (e.g. transformers' static cache) and into the details."""
     import torch
 
