@@ -289,13 +289,14 @@ def test_evaluate_checkpoint_row(tmp_path, monkeypatch):
 TASK_MODULES = sorted(p.stem for p in (REPO / "tasks").glob("*.py") if p.stem != "__init__")
 
 
-def test_every_step_with_a_store_entry_declares_its_cache_key_in_its_task_module():
+def test_every_task_module_states_its_cache_key_and_every_step_with_a_store_entry_has_one():
     declared = {}
     for name in TASK_MODULES:
         module = importlib.import_module(f"tasks.{name}")
         steps = [v for v in vars(module).values() if isinstance(v, Step) and v.__module__ == module.__name__]
         assert len(steps) == 1, f"tasks/{name}.py declares {len(steps)} steps"
-        key = getattr(module, "CACHE_KEY", None)
+        assert hasattr(module, "CACHE_KEY"), f"tasks/{name}.py states no CACHE_KEY (None: the step writes no entry)"
+        key = module.CACHE_KEY
         assert steps[0].cache_key is key, f"tasks/{name}.py: @step(cache_key=CACHE_KEY) and CACHE_KEY go together"
         if key is not None:
             declared[steps[0].options["name"]] = key
