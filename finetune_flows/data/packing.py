@@ -3,7 +3,7 @@
 A micro-batch is one row of `sum(len(row))` tokens: `input_ids`, `labels` and per-row `position_ids` are
 concatenated, and `cu_seq_lens_q/k` (cumulative row lengths) with `max_length_q/k` (Python ints, as the varlen
 kernels want them) tell the attention where each row starts, so no token ever attends across rows and no dense
-mask is built (finetune_flows/models/attention.py). The first label of every row is set to -100: after the causal shift the last
+mask is built (models/attention.py). The first label of every row is set to -100: after the causal shift the last
 token of one row never learns to predict the first token of the next, so the loss equals the per-row loss.
 
 The schedule is fixed up front from the seed: rows are shuffled per epoch and filled into packs of at most

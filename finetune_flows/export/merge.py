@@ -12,8 +12,8 @@ The adapter learned against the 4-bit weights, so the merge target is those weig
    `export.max_logit_error`, or the export fails and nothing is kept.
 
 The checkpoint is content-addressed in the cache (`<cache>/merged/<fingerprint>`) and hard-linked into
-`<run>/merged/` with a model card (finetune_flows/export/model_card.py). When the device lacks the memory for the merged model,
-the finetune flow skips the step and says so; `flows/export.py` refuses with the numbers.
+`<run>/merged/` with a model card (model_card.py). When the device lacks the memory for the merged model, the
+finetune flow skips the step and says so; `flows/export.py` refuses with the numbers.
 """
 
 from __future__ import annotations

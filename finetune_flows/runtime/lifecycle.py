@@ -400,8 +400,8 @@ def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
 
 def exit_now(code: int) -> None:
     """End a worker whose work is on disk without the interpreter's teardown: with torch, transformers, peft and
-    bitsandbytes loaded, tearing the modules down takes 2.6 s of CPU after the last line on a 2-core host (0.09 s
-    this way), and every step waited for it. Everything the worker writes is written and renamed before this;
+    bitsandbytes loaded, tearing the modules down takes seconds of CPU after the last line, and every step waited
+    for it. Everything the worker writes is written and renamed before this;
     the streams and log handlers are flushed here; the training ranks have left their process group already."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
