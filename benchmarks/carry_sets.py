@@ -21,7 +21,8 @@ load in every worker), then `export PYTHONPATH=/tmp/site`; FA4's parts: `bash .c
 `bash .carry/fa4/p2/assemble.sh` in the next (the machine keeps /tmp between back-to-back calls), then install
 `/tmp/stage/files/*.whl`. The peers set goes into its own site, `--target /tmp/peers` (no sitecustomize): the
 training bench runs its peer rows with `PYTHONPATH=/tmp/peers` (`--peer-site`). The bench set installs as
-  cd .carry/bench && pip install ... --target /tmp/site $(cat site.txt) && pip install ... --target /tmp/peers $(cat peers.txt)
+  cd .carry/bench && pip install ... --target /tmp/site $(cat site.txt) &&
+    pip install ... --target /tmp/peers $(cat peers.txt)
 benchmarks/README.md has the commands of each committed proof.
 
     python benchmarks/carry_sets.py               # all of them

@@ -237,7 +237,8 @@ def markdown(report: dict) -> str:
     phased = [r for r in report["rows"] if "error" not in r and "prefill_seconds" in r["base"].get("details", {})]
     if phased:
         lines += ["", "## Where the static engines' time goes (device synchronised per batch)", "",
-                  "| variant | attention | prefill s (base / adapter) | decode s | decode steps |", "|---|---|---|---|---|"]
+                  "| variant | attention | prefill s (base / adapter) | decode s | decode steps |",
+                  "|---|---|---|---|---|"]
         for r in phased:
             b, a = r["base"]["details"], r["adapter"]["details"]
             lines.append(f"| {r['variant']} | {r['attention']} | {b['prefill_seconds']} / {a['prefill_seconds']} | "
@@ -289,9 +290,9 @@ def main() -> int:
     from finetune_flows.runtime.environment import STACK, _version
     from finetune_flows.evaluation.worker import _load_with_adapter, auto_batch_tokens
     from finetune_flows.evaluation.generation import (
-        choose_engine, continuous_supports, generate_continuous, generate_reference, generate_static,
-        stop_token_ids,
+        choose_engine, continuous_supports, generate_continuous, generate_reference, stop_token_ids,
     )
+    from finetune_flows.evaluation.static_engine import generate_static
 
     if args.threads:
         torch.set_num_threads(args.threads)

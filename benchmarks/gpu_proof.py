@@ -166,13 +166,13 @@ def markdown(report: dict) -> str:
              "", "## GPU tests", "", f"{report['gpu_tests']['summary']} ({report['gpu_tests']['seconds']} s)", ""]
     lines += [f"- {line}" for line in report["gpu_tests"]["results"]]
     lines += ["", "## Flow runs (Prefect `finetune` flow, real workers)", "",
-              "| run | hardware.gpus | ranks | backend | steps (per rank) | loss first -> final | tokens/s whole run (steady) "
-              "| peak MiB | "
-              "eval attention | flow s | seconds per step | cached steps |",
+              "| run | hardware.gpus | ranks | backend | steps (per rank) | loss first -> final "
+              "| tokens/s whole run (steady) | peak MiB | eval attention | flow s | seconds per step | cached steps |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["flow_runs"]:
         t = r["train"]
-        lines.append(f"| {r['name']} | {next((o.split('=')[1] for o in r['overrides'] if o.startswith('hardware.gpus')), '')}"
+        gpus = next((o.split('=')[1] for o in r['overrides'] if o.startswith('hardware.gpus')), '')
+        lines.append(f"| {r['name']} | {gpus}"
                      f" | {t['world_size']} | {t['backend']} | {t['rank_steps']} | {t['first_loss']:.3f} -> "
                      f"{t['final_loss']:.3f} | {t['tokens_per_second']} ({t.get('steady_tokens_per_second') or '-'}) | "
                      f"{t['peak_memory_mb']} | "

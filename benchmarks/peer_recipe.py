@@ -161,7 +161,8 @@ def main(job_path: str) -> None:
     trainer.model.save_pretrained(out / "adapter")
     curve = [(int(e["step"]), float(e["loss"])) for e in trainer.state.log_history if "loss" in e]
     result = {
-        "versions": versions(), "steps": trainer.state.global_step, "train_tokens": counter.tokens, "train_seconds": round(seconds, 2),
+        "versions": versions(), "steps": trainer.state.global_step, "train_tokens": counter.tokens,
+        "train_seconds": round(seconds, 2),
         "tokens_per_second": round(counter.tokens / seconds, 1),
         "steady_state": steady_state(clock.steps, 1.0, job["warmup"]),
         "peak_memory_mb": round(torch.cuda.max_memory_reserved() / 2**20, 1) if on_gpu else None,

@@ -15,15 +15,15 @@
 
 Both two-node launches force NCCL onto its socket transport over loopback, as between hosts with plain Ethernet
 (NCCL_SOCKETS below: NCCL's documented switches). Every launch runs the same command the training step runs
-(finetune_flows/training/distributed.py `train_command`, through finetune_flows/runtime/launcher.py `run_worker`) on one config, 4-bit base, training
-plan (computed once, for the host's GPUs), workload, seed and number of steps; only the launch keys differ.
-NCCL_DEBUG=INFO lets the report say, from the ranks' own logs, which transport each launch's channels used and
-which GPU (PCI bus id) each rank held. Rows: steady tokens/s (median, min..max over 5-step windows after the
-worker's warm-up; none when a run is too short for one window), whole-run tokens/s, seconds from launch to exit,
-the peak memory reserved on the busiest rank and nvidia-smi's peak, world size, backend, the loss curve and its
-largest difference from the host run's at any logged step. A launch that fails or outlives --launch-timeout is
-killed (all its processes) and reported as failed; the others still run. A process that fails after every node
-wrote its results leaves the row, with the failure noted.
+(finetune_flows/training/distributed.py `train_command`, through finetune_flows/runtime/launcher.py `run_worker`) on
+one config, 4-bit base, training plan (computed once, for the host's GPUs), workload, seed and number of steps; only
+the launch keys differ. NCCL_DEBUG=INFO lets the report say, from the ranks' own logs, which transport each launch's
+channels used and which GPU (PCI bus id) each rank held. Rows: steady tokens/s (median, min..max over 5-step windows
+after the worker's warm-up; none when a run is too short for one window), whole-run tokens/s, seconds from launch to
+exit, the peak memory reserved on the busiest rank and nvidia-smi's peak, world size, backend, the loss curve and its
+largest difference from the host run's at any logged step. A launch that fails or outlives --launch-timeout is killed
+(all its processes) and reported as failed; the others still run. A process that fails after every node wrote its
+results leaves the row, with the failure noted.
 """
 
 from __future__ import annotations

@@ -6,17 +6,17 @@
     python benchmarks/scale_out.py --smoke                    # tiny model, 2 CPU ranks over gloo (in `make test`)
     python benchmarks/scale_out.py --launchers host,torchrun-2node,ray-2node --shape qwen3-0.6b --gpus 2
 
-Every run trains the project's training worker (finetune_flows/training/worker.py, with the memory planner, as a flow run
-would) on the same synthetic rows (the Markov workload of benchmarks/train_speed.py), with the same seed, steps and
-effective batch. Strategies: each on its own 4-bit base: bitsandbytes' packed weights stored as uint8 for DDP, in the
-compute dtype for FSDP (finetune_flows/training/sharding.py). Reported per run: steady tokens/s (median and min..max over windows of 5
-steps after warm-up, real tokens of all ranks), the peak memory the allocator reserved on the busiest rank, the peak
-nvidia-smi showed on any of the GPUs, the MiB of parameters each rank holds (the base weights' shard under FSDP),
-and the training loss curve; the report sets FSDP against DDP (memory, parameters and tokens/s ratios, the largest
-loss difference at any logged step). Results go to --out (default
+Every run trains the project's training worker (finetune_flows/training/worker.py, with the memory planner, as a flow
+run would) on the same synthetic rows (the Markov workload of benchmarks/train_speed.py), with the same seed, steps
+and effective batch. Strategies: each on its own 4-bit base: bitsandbytes' packed weights stored as uint8 for DDP, in
+the compute dtype for FSDP (finetune_flows/training/sharding.py). Reported per run: steady tokens/s (median and
+min..max over windows of 5 steps after warm-up, real tokens of all ranks), the peak memory the allocator reserved on
+the busiest rank, the peak nvidia-smi showed on any of the GPUs, the MiB of parameters each rank holds (the base
+weights' shard under FSDP), and the training loss curve; the report sets FSDP against DDP (memory, parameters and
+tokens/s ratios, the largest loss difference at any logged step). Results go to --out (default
 benchmarks/results/scale-out-<N>xGPU-<UTC time>/report.{md,json}), with the hardware and library versions, rewritten
-after every run; each run's row is also kept in --state, so the runs can be made in separate calls and still make
-one report.
+after every run; each run's row is also kept in --state, so the runs can be made in separate calls and still make one
+report.
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def run(args, env, state: Path, cache: Path, strategy: str, data: Path, stats: d
     tplan = training_plan(cfg, workload_dataset(data, stats), base, plan, sel)
     job = train_job(out, cfg, plan, base, data, tplan, strategy)
     with MemoryPoller(ids) as mem:
-        run_worker("train", torchrun_module("finetune_flows.training.worker", job, plan.nproc), training_env(child_env(ids)),
-                   out)
+        run_worker("train", torchrun_module("finetune_flows.training.worker", job, plan.nproc),
+                   training_env(child_env(ids)), out)
     r = json.loads((out / "train_metrics.json").read_text())
     row = {"strategy": strategy, "model": cfg.model.source, "device": gpu_name(ids),
            "quant_storage": base.quant_storage, **metrics_row(r, mem.peak), "param_mib_per_rank": r["rank_param_mb"],
@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     from finetune_flows.runtime.environment import run_probe
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", help="a generated model shape (finetune_flows/models/sources.py ARCHS; default qwen3-8b, with "
-                        "--launchers qwen3-0.6b)")
+    parser.add_argument("--shape", help="a generated model shape (finetune_flows/models/sources.py ARCHS; default "
+                        "qwen3-8b, with --launchers qwen3-0.6b)")
     parser.add_argument("--strategies", default="ddp,fsdp")
     parser.add_argument("--launchers", nargs="?", const="host,torchrun-2node,ray-2node",
                         help="instead of strategies: DDP started by each of host, torchrun-2node, ray-2node (all three "

@@ -4,7 +4,8 @@
 
 bitsandbytes NF4 with double quantization and bf16 compute, `prepare_model_for_kbit_training` with gradient
 checkpointing, PEFT LoRA r=16 alpha=32 dropout=0.05 on all 7 linear projections, padded micro-batches of 8 rows,
-sdpa attention, the Trainer. Measured with the same step clock as the project's own path (finetune_flows/training/worker.py).
+sdpa attention, the Trainer. Timed with the same step clock as the project's own path
+(finetune_flows/training/worker.py).
 """
 
 from __future__ import annotations

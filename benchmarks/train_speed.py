@@ -11,19 +11,18 @@ entropy floor ln 4 = 1.39. Both runs see the same rows and train for the same
 number of optimizer steps with the same effective batch (32 rows per step and GPU) and learning rate.
 
 Runs: `seed` (benchmarks/seed_recipe.py: the Transformers NVIDIA-GPU guide's QLoRA recipe), `ours` (the project's
-training worker, finetune_flows/training/worker.py, with its defaults and memory planner; `train.compile=true`, as `auto`
-compiles in a run long enough to repay it), `ours-2gpu` (the same on two GPUs,
-DDP), and `ours-<label>` variants with extra config overrides (`--variant label:key=value,key=value`; a key in
-capitals, e.g. `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`, is an environment variable of that run's training
-worker instead; a label starting with `2gpu-` runs on two GPUs and gets its own `ddp_2gpu_scaling:<label>` beside
-`ours-<label>`). Memory budgets: `--budgets` (below); a variant can set `hardware.memory_budget_gib` too, but its row
-is not compared with the peers under that budget. Each run is a fresh process; the device
-is synchronised at every step boundary; steady state skips the warm-up steps and takes the median (and min/max) of
-tokens/s over windows of 5 steps; tokens are real (non-pad) tokens; memory is the peak the allocator reserved and the
-peak nvidia-smi showed for the run's own processes (the whole GPU's figure beside it); MFU counts 4 x (linear +
-lm_head parameters) FLOPs per token (a frozen base: forward and input-gradient backward) plus causal attention,
-against 989 TFLOP/s (H200 dense bf16).
-After training, each adapter's eval loss on 200 held-out rows is measured the same way for every run.
+training worker, finetune_flows/training/worker.py, with its defaults and memory planner; `train.compile=true`, as
+`auto` compiles in a run long enough to repay it), `ours-2gpu` (the same on two GPUs, DDP), and `ours-<label>`
+variants with extra config overrides (`--variant label:key=value,key=value`; a key in capitals, e.g.
+`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`, is an environment variable of that run's training worker instead;
+a label starting with `2gpu-` runs on two GPUs and gets its own `ddp_2gpu_scaling:<label>` beside `ours-<label>`).
+Memory budgets: `--budgets` (below); a variant can set `hardware.memory_budget_gib` too, but its row is not compared
+with the peers under that budget. Each run is a fresh process; the device is synchronised at every step boundary;
+steady state skips the warm-up steps and takes the median (and min/max) of tokens/s over windows of 5 steps; tokens
+are real (non-pad) tokens; memory is the peak the allocator reserved and the peak nvidia-smi showed for the run's own
+processes (the whole GPU's figure beside it); MFU counts 4 x (linear + lm_head parameters) FLOPs per token (a frozen
+base: forward and input-gradient backward) plus causal attention, against 989 TFLOP/s (H200 dense bf16). After
+training, each adapter's eval loss on 200 held-out rows is measured the same way for every run.
 
 Peers (benchmarks/peer_recipe.py), rows of the same run: `unsloth` (Unsloth's QLoRA path), `trl` (TRL's SFTTrainer,
 padding-free, Liger, NF4 base) and `trl-bf16` (the same on a bf16 base), each in a process of its own whose
@@ -155,7 +154,8 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
     """A variant's `key=value` items: config overrides, and (keys in capitals) the training worker's environment."""
     for o in overrides:
         if "=" not in o:
-            raise SystemExit(f"--variant: {o!r} is not key=value (a config key, or an environment variable in capitals)")
+            raise SystemExit(f"--variant: {o!r} is not key=value (a config key, or an environment variable in "
+                             "capitals)")
     config = [o for o in overrides if not ENV_NAME.match(o.partition("=")[0])]
     env = dict(o.split("=", 1) for o in overrides if ENV_NAME.match(o.partition("=")[0]))
     return config, env
@@ -256,7 +256,8 @@ def eval_loss(base: Path, adapter: Path, data: Path, ids: list[int], log: Path) 
         "rows = load_split(__import__('pathlib').Path(%r), 'eval'); tot = n = 0.0\n"
         "for i in range(0, len(rows), 16):\n"
         "    b = {k: v.to(dev) for k, v in PadCollator(0)(rows[i:i+16]).items()}\n"
-        "    with torch.no_grad(): lg = m(input_ids=b['input_ids'], attention_mask=b['attention_mask']).logits.float()\n"
+        "    with torch.no_grad():\n"
+        "        lg = m(input_ids=b['input_ids'], attention_mask=b['attention_mask']).logits.float()\n"
         "    lab = b['labels'][:, 1:]; l = torch.nn.functional.cross_entropy(lg[:, :-1].reshape(-1, lg.size(-1)),"
         " lab.reshape(-1), ignore_index=-100, reduction='sum')\n"
         "    tot += float(l); n += int((lab != -100).sum())\n"
@@ -373,8 +374,8 @@ class Bench:
         """A row that did not run: its error, so the report shows why (the bench goes on with the next)."""
         print(f"[{name}] FAILED: {error.splitlines()[0] if error else ''}", flush=True)
         self.record(name, {"name": name, "run": run, "shape": shape, "model": f"generated:{shape}",
-                           "memory_budget_gib": budget, "gpus": len(self.gpu_ids[:1]), "host": platform.node(), "error": error,
-                           "tokens_per_second": None})
+                           "memory_budget_gib": budget, "gpus": len(self.gpu_ids[:1]), "host": platform.node(),
+                           "error": error, "tokens_per_second": None})
 
     def recipe_job(self, shape: str, name: str, data: Path, stats: dict, budget: int | None, **extra) -> tuple:
         """(bf16 checkpoint, 4-bit base, out dir, job file) for a run of a recipe script (seed, peers)."""
@@ -436,7 +437,8 @@ class Bench:
         overrides, env_overrides = split_overrides(overrides)
         _, base, _, _ = self.base_model(shape)
         # A bench run is a few dozen steps of what stands for a long run, whose steady state it measures: there,
-        # train.compile=auto compiles the layers after its first steps (finetune_flows/training/compiling.py); here it never would.
+        # train.compile=auto compiles the layers after its first steps (finetune_flows/training/compiling.py); here it
+        # never would.
         if budget:
             overrides = [f"hardware.memory_budget_gib={budget}", *overrides]
         cfg = self.config(shape, ["train.compile=true", *overrides])
@@ -506,7 +508,8 @@ class Bench:
             round(r["train_seconds"] - r["train_tokens"] / steady, 1),
             "steps": r["steps"], "peak_reserved_gib": None if r.get("peak_memory_mb") is None else
             round(r["peak_memory_mb"] / 1024, 2),
-            "peak_allocated_gib": None if r.get("peak_allocated_mb") is None else round(r["peak_allocated_mb"] / 1024, 2),
+            "peak_allocated_gib": None if r.get("peak_allocated_mb") is None else
+            round(r["peak_allocated_mb"] / 1024, 2),
             **{f"{k}_gib": None if r.get(f"{k}_mb") is None else round(r[f"{k}_mb"] / 1024, 2)
                for k in ("loaded_allocated", "load_peak_reserved", "outside_allocator")},
             "nvidia_smi_peak_gib": round(mem.peak / 1024, 2) if mem.peak else None,
@@ -567,7 +570,8 @@ def build_report(state: Path, env, command: str) -> dict:
                  r["shape"] == ours["shape"] and r.get("memory_budget_gib") == ours.get("memory_budget_gib")]
         if peers:
             best = max(peers, key=lambda r: r["tokens_per_second"])
-            speedup.setdefault("vs_best_peer", {})[key] = round(ours["tokens_per_second"] / best["tokens_per_second"], 2)
+            speedup.setdefault("vs_best_peer", {})[key] = round(ours["tokens_per_second"]
+                                                                / best["tokens_per_second"], 2)
             best_peer[key] = best["name"]
     imported = state / "imported-workload.json"
     workload = json.loads(imported.read_text()) if imported.is_file() else {}
@@ -593,7 +597,8 @@ def markdown(rep: dict) -> str:
                      f"{w['mean_length']}, {w['min_length']}..{w['max_length']}; {w['tokens']} tokens")
     ran = [r for r in rep["runs"] if not r.get("error")]
     lines += ["", "| run | budget GiB | GPUs | tokens/s (steady, median) | min..max | MFU | peak reserved GiB | "
-              "nvidia-smi GiB | eval loss | run s (beyond steady) | layout |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "nvidia-smi GiB | eval loss | run s (beyond steady) | layout |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ran:
         lines.append(f"| {r['name']} | {r.get('memory_budget_gib') or '-'} | {r['gpus']} | {r['tokens_per_second']} | "
                      f"{r['tokens_per_second_min']}..{r['tokens_per_second_max']} | {r['mfu']} | "
@@ -657,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="report directory (default benchmarks/results/train-bench-<N>xGPU-<time>)")
     parser.add_argument("--report-only", action="store_true", help="write the report from --state and stop")
     parser.add_argument("--resume-from", metavar="REPORT_JSON", help="a report whose rows --state lacks (an earlier "
-                        "call's, on a machine that did not keep --state): they join this report, each row naming its host")
+                        "call's, on a machine that did not keep --state): they join this report, each row naming "
+                        "its host")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU: the machinery end to end")
     args = parser.parse_args(argv)
     for variant in args.variant:  # a malformed variant stops the bench before any run, not after the first ones

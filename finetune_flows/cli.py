@@ -1,7 +1,8 @@
 """The command line around the flows (`python flows/finetune.py`, `python flows/evaluate.py`).
 
-- Bad input is found before a Prefect server starts (finetune_flows/config/preflight.py) and printed as one message, exit 2; other
-  failures a retry cannot fix (a full disk, out of memory at the smallest micro-batch) as one message, exit 1.
+- Bad input is found before a Prefect server starts (config/preflight.py) and printed as one message, exit 2;
+  other failures a retry cannot fix (a full disk, out of memory at the smallest micro-batch) as one message,
+  exit 1.
 - SIGTERM, like Ctrl-C (SIGINT), unwinds the run as an exception, so every `finally` runs: the workers get
   SIGTERM, save a checkpoint and are gone before the device slots are released, and the temporary Prefect server
   is stopped. Exit status 128 + the signal; running the same command again resumes.
@@ -37,7 +38,7 @@ from finetune_flows.errors import NotRetryable, UserInputError
 from finetune_flows.runtime.lifecycle import preexec_die_with
 
 T = TypeVar("T")
-SERVER_START_TIMEOUT = 180  # seconds; a fresh database's migrations alone take ~15 s on a loaded 2-core machine
+SERVER_START_TIMEOUT = 180  # seconds; a fresh database's migrations are slow on a loaded machine
 STOP_MARGIN_SECONDS = 10  # after the workers' grace period: releasing device slots, Prefect's own teardown
 DRAIN_SECONDS = 3  # after the run has unwound: Prefect's background services flush what they can
 _stop_grace: float | None = None  # the run's hardware.stop_grace_seconds, once its config is checked

@@ -8,7 +8,8 @@ import sys
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
     """The Prefect run's logger inside a flow or task run, else ours. A worker process never has a Prefect run and
-    never imports Prefect (finetune_flows/orchestration/steps.py says why), so the code it shares with the flow logs to ours there."""
+    never imports Prefect (orchestration/steps.py says why), so the code it shares with the flow logs to ours
+    there."""
     if "prefect" not in sys.modules:
         return logging.getLogger("finetune_flows")
     try:

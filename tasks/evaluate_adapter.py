@@ -1,4 +1,4 @@
-"""evaluate-adapter: base vs base + adapter on the held-out split, a store entry keyed by `eval_fingerprint`
+"""evaluate-adapter: base vs base + adapter on the held-out split, a store entry
 (finetune_flows/evaluation/evaluate.py)."""
 
 from __future__ import annotations
@@ -11,11 +11,17 @@ from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.errors import retry_unless_user_error
 from finetune_flows.evaluation import evaluate
 from finetune_flows.models.quantize import QuantizedModel
+from finetune_flows.orchestration.caching import CacheKey
 from finetune_flows.orchestration.steps import step
 from finetune_flows.runtime.gpus import GpuSelection
 
 
-@step(name="evaluate-adapter", retries=1, retry_delay_seconds=10,
+CACHE_KEY = CacheKey("evals", evaluate.eval_fingerprint, hashes=(
+    "the dataset and 4-bit base keys", "the adapter's files", "every eval.* setting (attention as resolved)",
+    "the evaluation's attention backend, dtype and device"))
+
+
+@step(name="evaluate-adapter", cache_key=CACHE_KEY, retries=1, retry_delay_seconds=10,
       retry_condition_fn=retry_unless_user_error, tags=["evaluation", "device"],
       task_run_name="evaluate-adapter({cfg.run.name}: {cfg.eval.max_samples} samples, {plan.eval_attn})")
 def evaluate_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter_path: Path,

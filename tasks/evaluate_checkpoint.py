@@ -1,5 +1,5 @@
-"""evaluate-checkpoint: base vs a merged checkpoint on the held-out split, a store entry keyed by
-`checkpoint_key_parts` (finetune_flows/evaluation/evaluate.py)."""
+"""evaluate-checkpoint: base vs a merged checkpoint on the held-out split, a store entry
+(finetune_flows/evaluation/evaluate.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,17 @@ from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.errors import retry_unless_user_error
 from finetune_flows.evaluation import evaluate
 from finetune_flows.models.quantize import QuantizedModel
+from finetune_flows.orchestration.caching import CacheKey
 from finetune_flows.orchestration.steps import step
 from finetune_flows.runtime.gpus import GpuSelection
 
 
-@step(name="evaluate-checkpoint", retries=1, retry_delay_seconds=10,
+CACHE_KEY = CacheKey("evals", evaluate.checkpoint_eval_fingerprint, hashes=(
+    "the dataset and 4-bit base keys", "the checkpoint's content, not its path or model card",
+    "every eval.* setting (attention as resolved)", "the evaluation's attention backend, dtype and device"))
+
+
+@step(name="evaluate-checkpoint", cache_key=CACHE_KEY, retries=1, retry_delay_seconds=10,
       retry_condition_fn=retry_unless_user_error, tags=["evaluation", "device"],
       task_run_name="evaluate-checkpoint({cfg.run.name}: {cfg.eval.max_samples} samples, {plan.eval_attn})")
 def evaluate_checkpoint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, checkpoint: Path,

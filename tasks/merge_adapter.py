@@ -1,6 +1,6 @@
-"""merge-adapter: the adapter merged into the dequantized weights of its 4-bit base, a store entry keyed by
-`merge_fingerprint` (finetune_flows/export/merge.py); `export_merged_model` puts it in the run directory with its
-model card (finetune_flows/export/model_card.py)."""
+"""merge-adapter: the adapter merged into the dequantized weights of its 4-bit base, a store entry
+(finetune_flows/export/merge.py); `export_merged_model` puts it in the run directory with its model card
+(finetune_flows/export/model_card.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,17 @@ from finetune_flows.export import merge
 from finetune_flows.export.merge import ExportResult, MergedModel
 from finetune_flows.export.model_card import place_merged
 from finetune_flows.models.quantize import QuantizedModel
+from finetune_flows.orchestration.caching import CacheKey
 from finetune_flows.orchestration.steps import step
 from finetune_flows.runtime.environment import EnvironmentReport
 from finetune_flows.runtime.gpus import GpuSelection
 
 
-@step(name="merge-adapter", retries=1, retry_delay_seconds=10,
+CACHE_KEY = CacheKey("merged", merge.merge_fingerprint, hashes=(
+    "the 4-bit base and dataset keys", "the adapter's files", "export.* settings", "device and compute dtype"))
+
+
+@step(name="merge-adapter", cache_key=CACHE_KEY, retries=1, retry_delay_seconds=10,
       retry_condition_fn=retry_unless_user_error, task_run_name="merge-adapter({cfg.run.name}: {cfg.export.dtype})",
       tags=["export", "device"])
 def merge_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter: Path, plan: Plan,

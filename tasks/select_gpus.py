@@ -7,7 +7,10 @@ from finetune_flows.runtime import gpus
 from finetune_flows.runtime.gpus import GpuInfo, GpuSelection
 
 
-@step(name="select-gpus", task_run_name="select-gpus({spec})", tags=["setup"])
+CACHE_KEY = None  # no store entry: a choice from the probe's reading, made every run
+
+
+@step(name="select-gpus", cache_key=CACHE_KEY, task_run_name="select-gpus({spec})", tags=["setup"])
 def select_gpus(spec: str, inventory: list[GpuInfo]) -> GpuSelection:
     """Pick GPUs from the environment probe's reading (the one `hardware.gpus` was checked against) and log it."""
     return gpus.select_gpus(spec, inventory)

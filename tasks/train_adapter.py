@@ -1,5 +1,5 @@
-"""train-adapter: the LoRA adapter, a store entry keyed by `train_fingerprint`; a retry resumes from its last
-complete checkpoint (finetune_flows/training/train.py). The flow sets its retries from `train.retries`."""
+"""train-adapter: the LoRA adapter, a store entry; a retry resumes from its last complete checkpoint
+(finetune_flows/training/train.py). The flow sets its retries from `train.retries`."""
 
 from __future__ import annotations
 
@@ -10,12 +10,18 @@ from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.errors import retry_unless_user_error
 from finetune_flows.models.quantize import QuantizedModel
+from finetune_flows.orchestration.caching import CacheKey
 from finetune_flows.orchestration.steps import step
 from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.training import train
 
 
-@step(name="train-adapter", retry_condition_fn=retry_unless_user_error,
+CACHE_KEY = CacheKey("adapters", train.train_fingerprint, hashes=(
+    "the dataset and 4-bit base keys", "every lora.* setting", "train.* less TRAIN_KEYS_NOT_IN_CACHE_KEY",
+    "ranks, device, resolved precision and attention", "the launch (launcher, nodes, strategy)"))
+
+
+@step(name="train-adapter", cache_key=CACHE_KEY, retry_condition_fn=retry_unless_user_error,
       task_run_name="train-adapter({cfg.run.name}: {cfg.train.max_steps} steps)", tags=["training", "device"])
 def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan, gpus: GpuSelection,
                   run_dir: Path):

@@ -12,7 +12,13 @@ from finetune_flows.runtime import environment
 from finetune_flows.runtime.environment import EnvironmentReport
 
 
-@step(name="verify-environment", task_run_name="verify-environment(gpus={cfg.hardware.gpus})", tags=["setup"])
+# No store entry: the GPUs' free memory and the Hub's reachability are read every run (the probe of the installed
+# stack is reused where it still describes the machine: runtime/environment.py).
+CACHE_KEY = None
+
+
+@step(name="verify-environment", cache_key=CACHE_KEY, task_run_name="verify-environment(gpus={cfg.hardware.gpus})",
+      tags=["setup"])
 def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentReport, Plan]:
     """Probe the machine, publish the report, and check the config against it (all problems at once)."""
     return environment.verify_environment(cfg, run_dir)

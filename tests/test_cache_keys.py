@@ -1,10 +1,13 @@
-"""One test per row of README.md's cache-key table: everything the row lists changes the step's key, everything
-it says is not in the key leaves it alone. Each test also checks that the row names what it tests."""
+"""One test per row of README.md's cache-key table: everything the row lists changes the step's key (as its task
+module declares it, `CACHE_KEY` in tasks/<step>.py), everything it says is not in the key leaves it alone. Each test
+also checks that the row names what it tests; the last ones that the declared key is the one the engine uses."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import shutil
+import sys
 import typing
 from pathlib import Path
 
@@ -15,13 +18,18 @@ import finetune_flows.store.fingerprint as fingerprint
 from finetune_flows.config.schema import (
     DataConfig, EvalConfig, LoraConfig, QuantizationConfig, TrainConfig, load_config,
 )
-from finetune_flows.data.dataset import PreparedDataset, data_fingerprint
+from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.config.plan import Plan
-from finetune_flows.store.fingerprint import combine
-from finetune_flows.evaluation.evaluate import checkpoint_key_parts, eval_fingerprint
 from finetune_flows.models.sources import materialize_tokenizer
-from finetune_flows.models.quantize import QuantizedModel, quantize_fingerprint
-from finetune_flows.training.train import TRAIN_KEYS_NOT_IN_CACHE_KEY, train_fingerprint
+from finetune_flows.models.quantize import QuantizedModel
+from finetune_flows.orchestration.steps import Step
+from finetune_flows.runtime.gpus import GpuSelection
+from finetune_flows.training.train import TRAIN_KEYS_NOT_IN_CACHE_KEY
+from tasks import evaluate_adapter, evaluate_checkpoint, prepare_dataset, quantize_base_model, train_adapter
+
+# Each step's key as its task module declares it
+data_key, quantize_key = prepare_dataset.CACHE_KEY, quantize_base_model.CACHE_KEY
+train_key, eval_key, checkpoint_key = train_adapter.CACHE_KEY, evaluate_adapter.CACHE_KEY, evaluate_checkpoint.CACHE_KEY
 
 REPO = Path(__file__).resolve().parent.parent
 PLAN = Plan(device="cpu", gpu_ids=[], nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
@@ -128,28 +136,28 @@ def test_prepare_dataset_row(tmp_path, tokenizer_dir, monkeypatch):
     row = readme_row("prepare-dataset")
     for named in ("`data.source`", "`data.eval_source`", "`data.hub_revision`", "`data.*`", "tokenizer",
                   "`model.revision`", "transformers", "tokenizers", "datasets", "`finetune_flows/data/dataset.py`",
-                  "`finetune_flows/data/demo.py`", "`quantization.*`", "`lora.*`", "`train.*`", "`eval.*`", "`run.*`"):
+                  "`finetune_flows/data/rows.py`", "`finetune_flows/data/demo.py`", "`quantization.*`", "`lora.*`", "`train.*`", "`eval.*`", "`run.*`"):
         assert named in row, named
     train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     train.write_text('{"prompt": "a", "response": "b"}\n')
     held.write_text('{"prompt": "c", "response": "d"}\n')
-    keys = Keys(lambda cfg: data_fingerprint(cfg, tokenizer_dir), [f"data.source={train}", f"data.eval_source={held}"])
+    keys = Keys(lambda cfg: data_key(cfg, tokenizer_dir), [f"data.source={train}", f"data.eval_source={held}"])
     cfg = load_config(None, keys.base)
     keys.assert_in_key(section_overrides("data", DataConfig, cfg, skip=frozenset({"source", "eval_source"})))
     keys.assert_in_key([f"data.source={held}", "data.columns.prompt=question"])
     train.write_text('{"prompt": "a", "response": "B"}\n')  # the file's bytes, not its name
-    assert data_fingerprint(cfg, tokenizer_dir) != keys.reference
+    assert data_key(cfg, tokenizer_dir) != keys.reference
     train.write_text('{"prompt": "a", "response": "b"}\n')
     held.write_text('{"prompt": "c", "response": "D"}\n')
-    assert data_fingerprint(cfg, tokenizer_dir) != keys.reference
+    assert data_key(cfg, tokenizer_dir) != keys.reference
     held.write_text('{"prompt": "c", "response": "d"}\n')
-    hub = Keys(lambda cfg: data_fingerprint(cfg, tokenizer_dir), ["data.source=hub:org/tickets", "data.hub_revision=a"])
+    hub = Keys(lambda cfg: data_key(cfg, tokenizer_dir), ["data.source=hub:org/tickets", "data.hub_revision=a"])
     hub.assert_in_key(["data.hub_revision=b"])
     other_tokenizer = tmp_path / "tok"
     shutil.copytree(tokenizer_dir, other_tokenizer)
     (other_tokenizer / "tokenizer_config.json").write_text((other_tokenizer / "tokenizer_config.json").read_text()
                                                            .replace("<|im_end|>", "<|endoftext|>", 1))
-    assert data_fingerprint(cfg, other_tokenizer) != keys.reference  # another tokenizer (model or revision)
+    assert data_key(cfg, other_tokenizer) != keys.reference  # another tokenizer (model or revision)
     keys.assert_not_in_key(["model.trust_remote_code=true", "quantization.quant_type=fp4", "lora.r=4",
                             "train.learning_rate=1e-3", "eval.max_samples=3", *NOT_IN_ANY])
     keys.assert_library_and_code_in_key(monkeypatch, "prepare-dataset", tmp_path, cfg)
@@ -162,14 +170,14 @@ def test_a_tokenizer_rebuilt_byte_for_byte_later_keeps_the_dataset_and_adapter_k
     cfg = load_config(None)
     first = materialize_tokenizer("generated:tiny-llama", tmp_path)
     files = {p.name: p.read_bytes() for p in first.iterdir() if p.name != "manifest.json"}
-    key = data_fingerprint(cfg, first)
+    key = data_key(cfg, first)
     created = (first / "manifest.json").read_text()
     shutil.rmtree(first)
     time.sleep(1.1)  # the manifest's time has a resolution of one second
     again = materialize_tokenizer("generated:tiny-llama", tmp_path)
     assert again == first and (again / "manifest.json").read_text() != created
     assert {p.name: p.read_bytes() for p in again.iterdir() if p.name != "manifest.json"} == files
-    assert data_fingerprint(cfg, again) == key  # so the dataset, and the adapter trained on it, stay cached
+    assert data_key(cfg, again) == key  # so the dataset, and the adapter trained on it, stay cached
 
 
 def test_quantize_base_model_row(tmp_path, monkeypatch):
@@ -180,21 +188,21 @@ def test_quantize_base_model_row(tmp_path, monkeypatch):
                   "`finetune_flows/models/quantize.py`", "`finetune_flows/models/sources.py`", "`data.*`", "`lora.*`",
                   "`train.*`", "`eval.*`", "`run.*`"):
         assert named in row, named
-    keys = Keys(lambda cfg: quantize_fingerprint(cfg, PLAN), [])
+    keys = Keys(lambda cfg: quantize_key(cfg, PLAN), [])
     cfg = load_config(None)
     keys.assert_in_key(section_overrides("quantization", QuantizationConfig, cfg))
     keys.assert_in_key(["model.source=generated:tiny-llama", "model.trust_remote_code=true"])
-    hub = Keys(lambda cfg: quantize_fingerprint(cfg, PLAN), ["model.source=org/model", f"model.revision={'a' * 40}"])
+    hub = Keys(lambda cfg: quantize_key(cfg, PLAN), ["model.source=org/model", f"model.revision={'a' * 40}"])
     hub.assert_in_key([f"model.revision={'b' * 40}"])
     local = tmp_path / "ckpt"
     local.mkdir()
     (local / "config.json").write_text('{"model_type": "llama"}')
     (local / "model.safetensors").write_bytes(b"w1")
-    before = quantize_fingerprint(load_config(None, [f"model.source={local}"]), PLAN)
+    before = quantize_key(load_config(None, [f"model.source={local}"]), PLAN)
     (local / "model.safetensors").write_bytes(b"w2")
-    assert quantize_fingerprint(load_config(None, [f"model.source={local}"]), PLAN) != before
+    assert quantize_key(load_config(None, [f"model.source={local}"]), PLAN) != before
     for plan_change in ({"compute_dtype": "bfloat16"}, {"device": "cuda"}, {"strategy": "fsdp"}):
-        assert quantize_fingerprint(cfg, PLAN.model_copy(update=plan_change)) != keys.reference, plan_change
+        assert quantize_key(cfg, PLAN.model_copy(update=plan_change)) != keys.reference, plan_change
     keys.assert_not_in_key(["data.seed=1", "data.source=/x.jsonl", "lora.r=4", "train.learning_rate=1e-3",
                             "eval.max_samples=3", *NOT_IN_ANY])
     keys.assert_library_and_code_in_key(monkeypatch, "quantize-base-model", tmp_path, cfg)
@@ -208,20 +216,20 @@ def test_train_adapter_row(tmp_path, monkeypatch):
                   "`hardware.launcher`", "`hardware.nodes`", "`hardware.gpus_per_node`", "`hardware.strategy`",
                   *(f"`train.{k}`" for k in TRAIN_KEYS_NOT_IN_CACHE_KEY)):
         assert named in row, named
-    keys = Keys(lambda cfg: train_fingerprint(cfg, dataset(), base_model(), PLAN), [])
+    keys = Keys(lambda cfg: train_key(cfg, dataset(), base_model(), PLAN), [])
     cfg = load_config(None)
     keys.assert_in_key(section_overrides("lora", LoraConfig, cfg))
     keys.assert_in_key(section_overrides("train", TrainConfig, cfg, skip=TRAIN_KEYS_NOT_IN_CACHE_KEY))
     keys.assert_not_in_key([f"train.{k}={alternative(TrainConfig, k, getattr(cfg.train, k))}"
                             for k in sorted(TRAIN_KEYS_NOT_IN_CACHE_KEY)])
-    assert train_fingerprint(cfg, dataset("d2"), base_model(), PLAN) != keys.reference
-    assert train_fingerprint(cfg, dataset(), base_model("b2"), PLAN) != keys.reference
+    assert train_key(cfg, dataset("d2"), base_model(), PLAN) != keys.reference
+    assert train_key(cfg, dataset(), base_model("b2"), PLAN) != keys.reference
     for plan_change in ({"nproc": 2}, {"device": "cuda"}, {"precision": "bf16"}, {"train_attn": "eager"},
                         {"strategy": "fsdp"}):
-        assert train_fingerprint(cfg, dataset(), base_model(), PLAN.model_copy(update=plan_change)) != keys.reference
-    assert train_fingerprint(cfg, dataset(), base_model(), PLAN.model_copy(update={"gpu_ids": [3]})) == keys.reference
+        assert train_key(cfg, dataset(), base_model(), PLAN.model_copy(update=plan_change)) != keys.reference
+    assert train_key(cfg, dataset(), base_model(), PLAN.model_copy(update={"gpu_ids": [3]})) == keys.reference
     for launch in (["hardware.nodes=2", "hardware.rdzv_endpoint=node1:29400"], ["hardware.launcher=ray"]):
-        assert train_fingerprint(load_config(None, launch), dataset(), base_model(), PLAN) != keys.reference, launch
+        assert train_key(load_config(None, launch), dataset(), base_model(), PLAN) != keys.reference, launch
     keys.assert_not_in_key(["eval.max_samples=3", "eval.metric=contains", *NOT_IN_ANY])
     keys.assert_library_and_code_in_key(monkeypatch, "train-adapter", tmp_path, cfg)
 
@@ -236,16 +244,16 @@ def test_evaluate_adapter_row(tmp_path, monkeypatch):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_model.safetensors").write_bytes(b"a1")
-    keys = Keys(lambda cfg: eval_fingerprint(cfg, dataset(), base_model(), adapter, PLAN), [])
+    keys = Keys(lambda cfg: eval_key(cfg, dataset(), base_model(), adapter, PLAN), [])
     cfg = load_config(None)
     keys.assert_in_key(section_overrides("eval", EvalConfig, cfg, skip=EVAL_ATTENTION))
-    assert eval_fingerprint(cfg, dataset("d2"), base_model(), adapter, PLAN) != keys.reference
-    assert eval_fingerprint(cfg, dataset(), base_model("b2"), adapter, PLAN) != keys.reference
+    assert eval_key(cfg, dataset("d2"), base_model(), adapter, PLAN) != keys.reference
+    assert eval_key(cfg, dataset(), base_model("b2"), adapter, PLAN) != keys.reference
     (adapter / "adapter_model.safetensors").write_bytes(b"a2")
-    assert eval_fingerprint(cfg, dataset(), base_model(), adapter, PLAN) != keys.reference
+    assert eval_key(cfg, dataset(), base_model(), adapter, PLAN) != keys.reference
     (adapter / "adapter_model.safetensors").write_bytes(b"a1")
     for plan_change in ({"eval_attn": "eager"}, {"device": "cuda"}):
-        assert eval_fingerprint(cfg, dataset(), base_model(), adapter, PLAN.model_copy(update=plan_change)) \
+        assert eval_key(cfg, dataset(), base_model(), adapter, PLAN.model_copy(update=plan_change)) \
             != keys.reference
     # the attention setting counts as the backend it resolves to (the plan's eval_attn, above), not as written
     keys.assert_not_in_key(["train.learning_rate=1e-3", "lora.r=4", "eval.attn_implementation=sdpa", *NOT_IN_ANY])
@@ -262,17 +270,73 @@ def test_evaluate_checkpoint_row(tmp_path, monkeypatch):
     merged.mkdir()
     for name, content in (("model.safetensors", "w1"), ("config.json", "{}"), ("README.md", "card 1")):
         (merged / name).write_text(content)
-    keys = Keys(lambda cfg: combine(checkpoint_key_parts(cfg, dataset(), base_model(), merged, PLAN)), [])
+    keys = Keys(lambda cfg: checkpoint_key(cfg, dataset(), base_model(), merged, PLAN), [])
     cfg = load_config(None)
     keys.assert_in_key(section_overrides("eval", EvalConfig, cfg, skip=EVAL_ATTENTION))
-    assert combine(checkpoint_key_parts(cfg, dataset("d2"), base_model(), merged, PLAN)) != keys.reference
-    assert combine(checkpoint_key_parts(cfg, dataset(), base_model("b2"), merged, PLAN)) != keys.reference
+    assert checkpoint_key(cfg, dataset("d2"), base_model(), merged, PLAN) != keys.reference
+    assert checkpoint_key(cfg, dataset(), base_model("b2"), merged, PLAN) != keys.reference
     elsewhere = tmp_path / "cache" / "merged" / "abc"  # another copy, another card: the same checkpoint
     shutil.copytree(merged, elsewhere)
     (elsewhere / "README.md").write_text("card 2")
-    assert combine(checkpoint_key_parts(cfg, dataset(), base_model(), elsewhere, PLAN)) == keys.reference
+    assert checkpoint_key(cfg, dataset(), base_model(), elsewhere, PLAN) == keys.reference
     (elsewhere / "model.safetensors").write_text("w2")
-    assert combine(checkpoint_key_parts(cfg, dataset(), base_model(), elsewhere, PLAN)) != keys.reference
+    assert checkpoint_key(cfg, dataset(), base_model(), elsewhere, PLAN) != keys.reference
     keys.assert_not_in_key(["train.learning_rate=1e-3", "lora.r=4", "export.dtype=float32",
                             "eval.attn_implementation=sdpa", *NOT_IN_ANY])
     keys.assert_library_and_code_in_key(monkeypatch, "evaluate-checkpoint", tmp_path, cfg)
+
+
+TASK_MODULES = sorted(p.stem for p in (REPO / "tasks").glob("*.py") if p.stem != "__init__")
+
+
+def test_every_task_module_states_its_cache_key_and_every_step_with_a_store_entry_has_one():
+    declared = {}
+    for name in TASK_MODULES:
+        module = importlib.import_module(f"tasks.{name}")
+        steps = [v for v in vars(module).values() if isinstance(v, Step) and v.__module__ == module.__name__]
+        assert len(steps) == 1, f"tasks/{name}.py declares {len(steps)} steps"
+        assert hasattr(module, "CACHE_KEY"), f"tasks/{name}.py states no CACHE_KEY (None: the step writes no entry)"
+        key = module.CACHE_KEY
+        assert steps[0].cache_key is key, f"tasks/{name}.py: @step(cache_key=CACHE_KEY) and CACHE_KEY go together"
+        if key is not None:
+            declared[steps[0].options["name"]] = key
+    assert set(declared) == set(fingerprint.STEP_CODE) == set(fingerprint.STEP_LIBRARIES)
+
+
+class EntryBuilt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", ["prepare_dataset", "quantize_base_model", "train_adapter", "evaluate_adapter",
+                                  "evaluate_checkpoint", "merge_adapter"])
+def test_the_engine_names_the_store_entry_by_the_declared_key(name, tmp_path, tokenizer_dir, monkeypatch):
+    """The task's call into the engine builds its store entry under CACHE_KEY(task's arguments) (the run stops
+    there: what it would then compute is not what this checks)."""
+    module = importlib.import_module(f"tasks.{name}")
+    engine = sys.modules[module.CACHE_KEY.key.__module__]
+    built = []
+
+    def recording_entry(cache_root, kind, key):
+        built.append((kind, key))
+        raise EntryBuilt
+
+    monkeypatch.setattr(engine, "Entry", recording_entry)
+    data_file = tmp_path / "train.jsonl"
+    data_file.write_text('{"prompt": "a", "response": "b"}\n')
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "model.safetensors").write_bytes(b"w")
+    cfg = load_config(None, [f"run.cache_dir={tmp_path / 'cache'}", f"data.source={data_file}"])
+    gpus = GpuSelection(ids=[], gpus=[])
+    data, base = dataset(), base_model()
+    call, key_args = {  # the task's arguments, and those of the key it declares
+        "prepare_dataset": ((cfg, tokenizer_dir), (cfg, tokenizer_dir)),
+        "quantize_base_model": ((cfg, PLAN, gpus, tmp_path), (cfg, PLAN)),
+        "train_adapter": ((cfg, data, base, PLAN, gpus, tmp_path), (cfg, data, base, PLAN)),
+        "evaluate_adapter": ((cfg, data, base, files, PLAN, gpus), (cfg, data, base, files, PLAN)),
+        "evaluate_checkpoint": ((cfg, data, base, files, PLAN, gpus), (cfg, data, base, files, PLAN)),
+        "merge_adapter": ((cfg, data, base, files, PLAN, gpus), (cfg, data, base, files, PLAN)),
+    }[name]
+    with pytest.raises(EntryBuilt):
+        getattr(module, name).fn(*call)
+    assert built == [(module.CACHE_KEY.kind, module.CACHE_KEY(*key_args))]

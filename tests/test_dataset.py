@@ -8,7 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune_flows.config.schema import load_config
-from finetune_flows.data.dataset import IGNORE_INDEX, build_dataset, load_split, normalize, read_rows, tokenize_example
+from finetune_flows.data.dataset import IGNORE_INDEX, build_dataset, load_split, tokenize_example
+from finetune_flows.data.rows import normalize, read_rows
 from finetune_flows.errors import DataError
 from finetune_flows.models.sources import materialize_tokenizer
 

@@ -8,9 +8,9 @@ import pytest
 from eval_support import tiny_quantized
 from finetune_flows.models.dequantize import dequantized_copy
 from finetune_flows.evaluation.generation import (
-    EngineUnavailable, choose_engine, generate_continuous, generate_reference, generate_static,
-    length_sorted_batches, stop_token_ids,
+    EngineUnavailable, choose_engine, generate_continuous, generate_reference, stop_token_ids,
 )
+from finetune_flows.evaluation.static_engine import generate_static, length_sorted_batches
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +73,14 @@ def test_engines_give_identical_greedy_tokens(model_and_prompts, adapter):
 def test_each_prefill_chunk_is_read_at_its_own_width(model_and_prompts, monkeypatch):
     """One batch of all prompts (left-padded to the longest), prefilled four rows at a time: each chunk's forward
     pass spans only its own prompts' longest, not the batch's, and the answers stay the engine-equivalent ones."""
-    from finetune_flows.evaluation import generation
+    from finetune_flows.evaluation import static_engine
 
     model, tokenizer, prompts = model_and_prompts
     model.base_model.enable_adapter_layers()
     stops, pad = stop_token_ids(model, tokenizer), tokenizer.pad_token_id
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     longest = max(map(len, ids))
-    monkeypatch.setitem(generation.PREFILL_TOKENS, False, 4 * longest)  # rows per chunk: 4
+    monkeypatch.setitem(static_engine.PREFILL_TOKENS, False, 4 * longest)  # rows per chunk: 4
     widths = []
     hook = model.get_base_model().register_forward_pre_hook(
         lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape), with_kwargs=True)
@@ -169,7 +169,7 @@ def test_grouped_attention_equals_sdpa(query_len, mask_kind):
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from finetune_flows.evaluation.generation import _grouped_attention
+    from finetune_flows.evaluation.static_engine import _grouped_attention
 
     torch.manual_seed(0)
     b, heads, kv_heads, dim, length = 3, 16, 4, 32, 40

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import child_env
@@ -25,7 +26,10 @@ from finetune_flows.runtime.gpus import GpuInfo, GpuSelection
 from finetune_flows.runtime.launcher import (
     COMPILE_CACHES, compile_caches, python_module, run_worker, torchrun_module, worker_env, write_job,
 )
-from finetune_flows.runtime.processes import ProcessId, parent_of, read_record, remove_stale_records, write_record
+from finetune_flows.runtime.processes import (
+    ProcessId, alive, ancestors, descendants, parent_of, read_record, remove_stale_records, start_time, tree,
+    write_record,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -303,6 +307,32 @@ def test_a_pid_record_is_trusted_only_while_its_process_runs(tmp_path):
     assert read_record(record) is None
     remove_stale_records(tmp_path)
     assert not list(tmp_path.glob("*.pid"))
+
+
+def test_an_exited_process_awaiting_its_parents_wait_is_gone_and_the_tree_reaches_across_sessions():
+    """A zombie has exited (psutil's is_running() still says True for one); a rank in a session of its own is
+    still below the process that started it."""
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+            "start_new_session=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 60
+        while not descendants(parent.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (child,) = descendants(parent.pid)
+        assert parent.pid in ancestors(child) and os.getpid() in ancestors(child)
+        assert [ident.pid for ident in tree(parent.pid)] == [parent.pid, child]
+        assert alive(child)
+        os.kill(child, signal.SIGKILL)
+        while psutil.Process(child).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)  # the parent sleeps: no one reaps it
+        assert psutil.Process(child).is_running() and not alive(child)
+        assert not ProcessId(child, start_time(child)).is_running()
+    finally:
+        for pid in descendants(parent.pid):
+            os.kill(pid, signal.SIGKILL)
+        parent.kill()
+        parent.wait()
 
 
 def test_child_pythons_started_by_tests_keep_the_pythonpath_they_inherit(tmp_path):

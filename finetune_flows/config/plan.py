@@ -39,9 +39,9 @@ def liger_setting(cfg: FinetuneConfig, plan: Plan) -> bool:
     return plan.device == "cuda" and installed and want in (True, "auto")
 
 
-# Measured on one H200 (Qwen3-0.6B shape, packed 10k-token micro-batches, Liger, benchmarks/results/
-# train-bench-1xGPU-20261201-032103): 4-bit base 26.5k tokens/s, dequantized 36.6k, dequantized + compiled layers
-# 65.9k, the same eval loss. The step is bound by the host's kernel launches, which both cut.
+# A step of a small model on a GPU is bound by the host's kernel launches, which holding the base dequantized (no
+# per-call dequantization) and compiling the layers both cut, at the same eval loss (benchmarks/results/
+# train-bench-1xGPU-20261201-032103/NOTE.md).
 def dequantize_setting(cfg: FinetuneConfig, plan: Plan) -> bool:
     """`auto`: on NVIDIA GPUs under DDP (the planner still keeps the base 4-bit where the copy would not fit); not
     under FSDP, whose point is a sharded 4-bit base, nor on the CPU, where the 4-bit path is what tests exercise."""
@@ -50,15 +50,14 @@ def dequantize_setting(cfg: FinetuneConfig, plan: Plan) -> bool:
 
 
 def compile_setting(cfg: FinetuneConfig, plan: Plan) -> bool:
-    """`auto`: wherever the base is held dequantized on an NVIDIA GPU (compiling needs it: finetune_flows/training/planner.py), once
-    the first steps show the run repays the compilation (finetune_flows/training/compiling.py)."""
+    """`auto`: wherever the base is held dequantized on an NVIDIA GPU (compiling needs it: training/planner.py),
+    once the first steps show the run repays the compilation (training/compiling.py)."""
     want = cfg.train.compile
     return want is True or (want == "auto" and plan.device == "cuda" and dequantize_setting(cfg, plan))
 
 
 def upcast_setting(cfg: FinetuneConfig) -> bool:
-    """`auto`: frozen weights in the compute dtype. Measured on an H200 (Qwen3-0.6B shape, packed 10k-token
-    micro-batches, Liger): the same tokens/s and eval loss as PEFT's fp32 upcast, at half the peak memory and
-    45% less GPU time (the upcast makes every activation fp32: benchmarks/README.md)."""
+    """`auto`: frozen weights in the compute dtype: the same eval loss as PEFT's fp32 upcast at less memory and
+    GPU time (the upcast makes every activation fp32: benchmarks/README.md)."""
     want = cfg.train.upcast_frozen
     return False if want == "auto" else bool(want)

@@ -3,7 +3,7 @@
 A micro-batch is one row of `sum(len(row))` tokens: `input_ids`, `labels` and per-row `position_ids` are
 concatenated, and `cu_seq_lens_q/k` (cumulative row lengths) with `max_length_q/k` (Python ints, as the varlen
 kernels want them) tell the attention where each row starts, so no token ever attends across rows and no dense
-mask is built (finetune_flows/models/attention.py). The first label of every row is set to -100: after the causal shift the last
+mask is built (models/attention.py). The first label of every row is set to -100: after the causal shift the last
 token of one row never learns to predict the first token of the next, so the loss equals the per-row loss.
 
 The schedule is fixed up front from the seed: rows are shuffled per epoch and filled into packs of at most
@@ -20,6 +20,8 @@ import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from transformers import DataCollatorWithFlattening
 
 from finetune_flows.data.dataset import IGNORE_INDEX
 
@@ -146,35 +148,17 @@ class TokenTally:
 
 
 class PackedCollator(TokenTally):
-    """One micro-batch (a list of rows) -> one packed row with position ids and varlen attention kwargs."""
+    """One micro-batch (a list of rows) -> one packed row with position ids and varlen attention kwargs: transformers'
+    DataCollatorWithFlattening, plus the token tally and a stand-in for an empty piece of a split pack."""
 
     def __init__(self, pad_token_id: int):
         super().__init__()
         self.pad = pad_token_id  # real tokens only are counted: an empty split piece is one ignored token
+        self.flatten = DataCollatorWithFlattening(return_flash_attn_kwargs=True, separator_id=IGNORE_INDEX)
 
     def __call__(self, batch: list[list[dict[str, list[int]]]]) -> dict[str, Any]:
-        import torch
-
         (rows,) = batch  # the DataLoader's batch size is 1: the item is already a whole micro-batch
         self.built(sum(len(r["input_ids"]) for r in rows))
         if not rows:  # an empty piece of a split pack: one ignored token keeps every DDP rank in step
             rows = [{"input_ids": [self.pad], "labels": [IGNORE_INDEX]}]
-        ids: list[int] = []
-        labels: list[int] = []
-        positions: list[int] = []
-        cu = [0]
-        for r in rows:
-            n = len(r["input_ids"])
-            ids += r["input_ids"]
-            labels += [IGNORE_INDEX] + list(r["labels"][1:])
-            positions += range(n)
-            cu.append(cu[-1] + n)
-        longest = max(b - a for a, b in zip(cu, cu[1:]))
-        cu_t = torch.tensor(cu, dtype=torch.int32)
-        return {
-            "input_ids": torch.tensor([ids], dtype=torch.long),
-            "labels": torch.tensor([labels], dtype=torch.long),
-            "position_ids": torch.tensor([positions], dtype=torch.long),
-            "cu_seq_lens_q": cu_t, "cu_seq_lens_k": cu_t,
-            "max_length_q": longest, "max_length_k": longest,
-        }
+        return self.flatten(rows, return_tensors="pt")

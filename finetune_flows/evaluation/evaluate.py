@@ -1,11 +1,11 @@
 """Step 6: base model versus base + adapter on the held-out split (and `flows/evaluate.py` on a merged checkpoint).
 
-Loss/perplexity on the answer tokens, and generation metrics (exact match and contains, finetune_flows/evaluation/metrics.py) from
+Loss/perplexity on the answer tokens, and generation metrics (exact match and contains, metrics.py) from
 greedy decoding with the resolved attention backend. Runs in a child process on the first selected GPU (or the
 CPU). The report says how many held-out rows were dropped as copies of training prompts, and what the base
 model's score means (format vs ability).
 
-A merged checkpoint (finetune_flows/export/merge.py) is scored by `evaluate_checkpoint`: the same worker and engines on the same
+A merged checkpoint (export/merge.py) is scored by `evaluate_checkpoint`: the same worker and engines on the same
 held-out rows, the base beside it, in a store entry keyed by the checkpoint's content (its weights, config and
 tokenizer; not its path, nor its model card).
 """
@@ -51,7 +51,7 @@ class EvalReport(BaseModel):
     adapter: ModelScores | None = None  # None only for a merged checkpoint evaluated without its adapter
     merged: ModelScores | None = None  # flows/evaluate.py on a merged checkpoint
     metric: str
-    engine: str = "generate"  # the generation engine that produced the answers (finetune_flows/evaluation/generation.py)
+    engine: str = "generate"  # the generation engine that produced the answers (generation.py)
     kernelized: dict[str, int] = {}  # Hub kernel layer name -> modules replaced (hardware.kernels)
     dtype: str = ""  # compute dtype the answers and losses were computed in
     attn_implementation: str
@@ -133,6 +133,11 @@ def checkpoint_key_parts(cfg: FinetuneConfig, data: PreparedDataset, base: Quant
             "checkpoint": checkpoint_fingerprint(checkpoint)}
 
 
+def checkpoint_eval_fingerprint(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, checkpoint: Path,
+                                plan: Plan) -> str:
+    return combine(checkpoint_key_parts(cfg, data, base, checkpoint, plan))
+
+
 def publish_eval(report: EvalReport) -> None:
     # Prefect here, not at the top: the engine imports without it
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -188,7 +193,7 @@ def evaluate_checkpoint(cfg: FinetuneConfig, data: PreparedDataset, base: Quanti
                         plan: Plan, gpus: GpuSelection):
     """Score base and a merged checkpoint, reusing a verified evaluation of the same inputs (keyed by the
     checkpoint's content, wherever it lies)."""
-    entry = Entry(cfg.cache_root, "evals", combine(checkpoint_key_parts(cfg, data, base, checkpoint, plan)))
+    entry = Entry(cfg.cache_root, "evals", checkpoint_eval_fingerprint(cfg, data, base, checkpoint, plan))
     produce = _producer(cfg, data, base, plan, gpus, entry, checkpoint=str(checkpoint))
     report, reused = reuse_or_produce(entry, EvalReport, produce, outputs=["eval.json"])
     _log_scores(report)

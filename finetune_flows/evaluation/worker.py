@@ -3,9 +3,9 @@
 Scores base and base + adapter (one model, the adapter switched off and on), or base and a merged checkpoint
 (two plain models, loaded one after the other): loss/perplexity on the answer tokens and a generation metric from
 greedy decoding. With the `static`/`continuous` engines the base is the dequantized evaluation copy of the 4-bit
-base (finetune_flows/models/dequantize.py), placed on one GPU or, when it does not fit one, spread over the selected GPUs; with
-`generate` it is the 4-bit model, as before. A merged checkpoint loads the same way, in the same dtype. The
-orchestrator side is `finetune_flows/evaluation/evaluate.py`; the engines are in `finetune_flows/evaluation/generation.py`.
+base (models/dequantize.py), placed on one GPU or, when it does not fit one, spread over the selected GPUs; with
+`generate` it is the 4-bit model. A merged checkpoint loads the same way, in the same dtype. The
+orchestrator side is `finetune_flows/evaluation/evaluate.py`; the engines are in `generation.py` and `static_engine.py`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from finetune_flows.data.dataset import IGNORE_INDEX, load_split
 from finetune_flows.models.dequantize import dequantized_copy
 from finetune_flows.config.plan import Plan
 from finetune_flows.evaluation.generation import (
-    Generation, choose_engine, generate_continuous, generate_reference, generate_static, kv_bytes_per_token,
-    length_sorted_batches, stop_token_ids,
+    Generation, choose_engine, generate_continuous, generate_reference, kv_bytes_per_token, stop_token_ids,
 )
+from finetune_flows.evaluation.static_engine import generate_static, length_sorted_batches
 from finetune_flows.models.kernels import apply_kernels
 from finetune_flows.runtime.gpus import cap_process_memory, free_bytes
 from finetune_flows.runtime.lifecycle import worker_main
@@ -126,8 +126,7 @@ def placement(copy: Path, device) -> dict:
 def auto_batch_tokens(model, device) -> int:
     """Padded tokens per forward: what fits in half of the model's (first) GPU's free memory (few large batches
     mean few decode steps, and a GPU decode step of a small model costs about the same for 10 sequences as for
-    500), or on the CPU at most 16,384 (there a batch whose cache stays in the processor caches is faster:
-    measured 1.7x over 65,536 on the test model)."""
+    500), or on the CPU at most 16,384 (there a batch whose cache stays in the processor caches is faster)."""
     import torch
 
     text = model.config.get_text_config()
@@ -169,8 +168,8 @@ def _load_with_adapter(cfg: FinetuneConfig, base: QuantizedModel, adapter_path: 
     dtype = torch_dtype(plan.eval_dtype or plan.compute_dtype)
     if engine != "generate":
         # PEFT keeps adapter weights in fp32, so every adapted layer of a bf16 evaluation copy would cast its input
-        # to fp32 and run the adapter's matmuls in fp32: on the CPU that costs as much as the layer itself, and on
-        # an H200 it made the adapter's prefill 1.8x the base's. The adapter runs in the copy's dtype instead.
+        # to fp32 and run the adapter's matmuls in fp32, which costs about as much as the layer itself. The adapter
+        # runs in the copy's dtype instead.
         for name, param in model.named_parameters():
             if "lora_" in name:
                 param.data = param.data.to(dtype)

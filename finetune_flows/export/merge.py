@@ -12,8 +12,8 @@ The adapter learned against the 4-bit weights, so the merge target is those weig
    `export.max_logit_error`, or the export fails and nothing is kept.
 
 The checkpoint is content-addressed in the cache (`<cache>/merged/<fingerprint>`) and hard-linked into
-`<run>/merged/` with a model card (finetune_flows/export/model_card.py). When the device lacks the memory for the merged model,
-the finetune flow skips the step and says so; `flows/export.py` refuses with the numbers.
+`<run>/merged/` with a model card (model_card.py). When the device lacks the memory for the merged model, the
+finetune flow skips the step and says so; `flows/export.py` refuses with the numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import shutil
 import time
 from pathlib import Path
 
+import psutil
 from pydantic import BaseModel
 
 from finetune_flows.orchestration.concurrency import device_slots
@@ -85,9 +86,7 @@ def _free_bytes(device) -> int:
 
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return info["MemAvailable"]
+    return psutil.virtual_memory().available  # MemAvailable
 
 
 def _parameter_count(base_path: Path, trust_remote_code: bool) -> int:

@@ -1,6 +1,6 @@
 """Attention over packed rows, registered with transformers as `finetune_flows_packed`.
 
-A packed micro-batch (finetune_flows/data/packing.py) is one row holding several examples; `cu_seq_lens_q` marks where each
+A packed micro-batch (data/packing.py) is one row holding several examples; `cu_seq_lens_q` marks where each
 starts. This function hands the whole micro-batch to a variable-length kernel, which attends within each example
 only and never builds a dense mask over the packed row:
 

@@ -6,7 +6,7 @@
 - `measure_on_device()` runs in a child process on the selected GPUs: for each usable backend, a short timing
   probe on a one-layer model with the run's attention shape (heads, KV heads, head dim, dtype): an
   evaluation-like padded forward, a padded forward+backward, and a forward+backward over packed rows through the
-  variable-length kernel that packed training calls for that backend (finetune_flows/models/attention.py), on fresh packed
+  variable-length kernel that packed training calls for that backend (models/attention.py), on fresh packed
   layouts, each checked against sdpa on the same inputs. Results are cached per GPU model and software versions
   (`<cache>/attention-probes/`), so a host measures once.
 - `resolve_attention()` turns `hardware.attn_implementation` into one backend for training and one for
@@ -45,20 +45,15 @@ REQUIREMENTS = {
 # input shape, and evaluation batches and packed training rows change shape all the time. Set it explicitly.
 AUTO_CANDIDATES = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 TOLERANCE = 2e-2  # max |out - sdpa out| / max |sdpa out| for a backend to count as correct (bf16 kernels)
-# A backend other than sdpa must beat it by more than this to be chosen. Two runs of one engine on an H200 differ
-# by ~2% (benchmarks/results/eval-bench-1xGPU-20261201-*), and a switch is not free: on the H200 the padded probe
-# put FA4 2% ahead for training, yet packed, compiled training on FA4 took 106 s to its first step (torch varlen:
-# 53 s) and ran at 0.66x the tokens/s (train-bench-1xGPU-20261201-142917, gpu-proof-1xGPU-20261201-141724).
+# A backend other than sdpa must beat it by more than this to be chosen: more than two runs of one engine differ,
+# and a switch is not free (a slower first step, and a probe that can rank backends otherwise than whole-model
+# training does). The figures: benchmarks/results/train-bench-1xGPU-20261201-142917/NOTE.md.
 SWITCH_MARGIN = 0.05
 # Where training compiles its decoder layers (train.compile), torch.compile traces only torch's own varlen kernel
 # (sdpa's packed path) into each layer's graph; a flash kernel runs as an untraced call between two compiled pieces
-# of every layer (finetune_flows/models/attention.py). The probe times one small eager layer, so it cannot see that cost, and it
-# misled on the H200: FA4's packed forward+backward 8-12% ahead of sdpa's in the probe (5.57 vs 6.07 ms,
-# 6.05 vs 6.85), yet compiled training on FA4 ran at 0.66x the tokens/s of torch varlen in the training bench
-# (train-bench-1xGPU-20261201-142917, both in one run), and the GPU proof's flow trained on FA4 at 5,267 tokens/s
-# steady, first step after 85 s (gpu-proof-1xGPU-20261201-174042), where an earlier call's run of the same flow on
-# torch varlen had logged 5,833 and 53 s (not one run, so not a ratio). So compiled packed training stays on the
-# traced kernel; the probe's packed timing still decides where training is not compiled.
+# of every layer (models/attention.py). The probe times one small eager layer, so it cannot see that cost, and
+# compiled training on a flash kernel the probe ranked first ran slower than on torch's varlen (the same NOTE.md).
+# So compiled packed training stays on the traced kernel; the probe's packed timing decides where it is not compiled.
 COMPILE_TRACED_PACKED = ("sdpa",)
 
 
@@ -134,8 +129,8 @@ def choose(timings: list[BackendTiming], names: list[str], purpose: str, packed:
         names = [n for n in names if n in COMPILE_TRACED_PACKED]
         best, why = choose(timings, names, purpose, packed)
         if untraced:
-            why += (f"; not {', '.join(untraced)}: compiled decoder layers call them untraced (measured slower in "
-                    "whole-model training on an H200 than this eager probe shows: finetune_flows/models/backends.py)")
+            why += (f"; not {', '.join(untraced)}: compiled decoder layers call them untraced (slower in "
+                    "whole-model training than this eager probe shows: finetune_flows/models/backends.py)")
         return best, why
     key = "eval_ms" if purpose == "eval" else ("packed_train_ms" if packed else "train_ms")
     label = "eval" if purpose == "eval" else ("packed train" if packed else "padded train")
@@ -257,9 +252,8 @@ def _sync(device) -> None:
 
 
 def _time(fn, device, repeats: int = 5, windows: int = 5) -> float:
-    """ms per call: the median of `windows` timed windows of `repeats` calls, after one warm-up call. One window
-    was too noisy to rank backends by: two probes on one H200 had FA4's eval forward 10% ahead of sdpa's and 3%
-    behind (gpu-proof-1xGPU-20261201-174042, eval-bench-1xGPU-20261201-174014)."""
+    """ms per call: the median of `windows` timed windows of `repeats` calls, after one warm-up call (one window
+    is too noisy to rank backends by)."""
     import statistics
 
     fn()

@@ -81,8 +81,7 @@ def dequantize_model(model, offload_to_cpu: bool = False) -> int:
     if offload_to_cpu:
         model.to("cpu")
     # The replaced Linear4bit layers sit in reference cycles, so their 4-bit weights outlive them until Python's
-    # cyclic collector happens to run: on the Qwen3-8B shape that kept 3.3 GiB allocated through the training steps
-    # (benchmarks/results/train-bench-1xGPU-20261202-230939: 18.76 GiB before step 1 for 15.42 of weights + adapter).
+    # cyclic collector happens to run, and stay allocated through the training steps.
     gc.collect()
     return replaced
 

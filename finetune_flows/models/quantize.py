@@ -96,7 +96,8 @@ def _quantize(job: dict) -> dict:
     layers = count_4bit_layers(model)
     first = next(m for m in model.modules() if type(m).__name__ == "Linear4bit")
     print(f"quantized {layers} linear layers to 4-bit {cfg.quantization.quant_type} on {first.weight.device} "
-          f"(compute {compute_dtype}, stored as {storage}); footprint {model.get_memory_footprint() / 2**20:.1f} MiB", flush=True)
+          f"(compute {compute_dtype}, stored as {storage}); footprint {model.get_memory_footprint() / 2**20:.1f} MiB",
+          flush=True)
     # The orchestrator holds the entry's lock and commits its manifest after this process exits.
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(src, revision=cfg.model.revision, trust_remote_code=remote).save_pretrained(out)

@@ -1,11 +1,29 @@
-"""Running a pipeline step and telling whether its output came from the store."""
+"""A step's cache key as its task declares it, and running a step telling whether its output came from the store."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 from finetune_flows.orchestration.steps import Step
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """A step's cache key, declared beside its task (`@step(..., cache_key=CACHE_KEY)` in tasks/<step>.py).
+
+    `key` is the engine function that computes it from the task's arguments, the one the engine names the store
+    entry `<cache root>/<kind>/<key>` by; `hashes` says in words what goes in. Every key also holds the versions of
+    the step's libraries and engine modules (STEP_LIBRARIES and STEP_CODE in finetune_flows/store/fingerprint.py).
+    """
+
+    kind: str
+    key: Callable[..., str]
+    hashes: tuple[str, ...]
+
+    def __call__(self, *args: Any) -> str:
+        return self.key(*args)
 
 
 class StepRun(NamedTuple):
@@ -18,8 +36,8 @@ class StepRun(NamedTuple):
 def run_step(step: Step, *args: Any, **kwargs: Any) -> tuple[Any, StepRun]:
     """Run a step task; return (result, how it ran).
 
-    Steps reuse verified store entries (finetune_flows/store/entries.py) and then finish in a Completed state named `Cached`, which
-    is how the Prefect UI shows them too; this is the one cache layer, so there is nothing to reconcile here.
+    Steps reuse verified store entries (finetune_flows/store/entries.py) and then finish in a Completed state named
+    `Cached`, as the Prefect UI shows them; this is the one cache layer, so there is nothing to reconcile here.
     """
     started = time.perf_counter()
     state = step(*args, return_state=True, **kwargs)

@@ -3,11 +3,11 @@ per device.
 
 Slot names are `device-<host>-gpu<id>` for each selected GPU (nvidia-smi id), or `device-<host>-cpu` for CPU
 runs. `make deploy` and `make worker` create the limits of their host, one slot each
-(`python -m finetune_flows.orchestration.concurrency`). A run that finds a device busy waits, and says so in its log every
-`WAIT_REPORT_SECONDS` (doubling up to every 5 minutes); when a limit does not exist, the step runs unguarded
-and says so once per process (not at all on the temporary server of a plain CLI run, where nothing else runs).
-Slots guard devices, not outputs: one writer per output is the store's entry lock (finetune_flows/store/entries.py), always
-taken before the device slot.
+(`python -m finetune_flows.orchestration.concurrency`). A run that finds a device busy waits, and says so in its
+log every `WAIT_REPORT_SECONDS` (doubling up to every 5 minutes); when a limit does not exist, the step runs
+unguarded and says so once per process (not at all on the temporary server of a plain CLI run, where nothing else
+runs). Slots guard devices, not outputs: one writer per output is the store's entry lock (store/entries.py),
+always taken before the device slot.
 """
 
 from __future__ import annotations

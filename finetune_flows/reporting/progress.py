@@ -68,7 +68,9 @@ class LiveLine(logging.Filter):
 
     Installed as a filter on the handlers that print to the same terminal: it keeps records marked LIVE off
     the console (the line shows them) and clears the line before any other record is printed, so log lines
-    never end up glued to it; the next update draws it again below them.
+    never end up glued to it; the next update draws it again below them. Ours, not rich's Live or tqdm: they keep
+    clear only of output written through them (tqdm by replacing the console handlers with its own), and Prefect's
+    console handler prints through a rich Console of its own.
     """
 
     def __init__(self, stream: TextIO):

@@ -53,8 +53,8 @@ class EnvironmentReport(BaseModel):
     attention: dict[str, str]  # backend -> "available" (installed here) or why not; GPU fit: backends.usable
     bitsandbytes_4bit: str  # "available" or why not
     hub_reachable: bool
-    attention_timings: list[BackendTiming] = []  # the attention probes behind `auto` (finetune_flows/models/backends.py)
-    kernels: dict[str, str] = {}  # hardware.kernels layer -> "loads (...)" or why not (finetune_flows/models/kernels.py)
+    attention_timings: list[BackendTiming] = []  # the attention probes behind `auto` (models/backends.py)
+    kernels: dict[str, str] = {}  # hardware.kernels layer -> "loads (...)" or why not (models/kernels.py)
     cpu_bf16: bool = False  # native bf16 matrix instructions on this CPU (AVX512-BF16 or AMX)
     visible_devices: str | None = None  # an inherited CUDA_VISIBLE_DEVICES: only those GPUs may be selected
 
@@ -111,9 +111,8 @@ def probe(kernels: dict[str, str] | None = None) -> EnvironmentReport:
 
 def auto_eval_dtype(cfg: FinetuneConfig, on_gpu: bool, cpu_bf16: bool, compute: str) -> str:
     """`eval.dtype: auto`: the compute dtype, except on a CPU with native bf16 for models whose layers are wide
-    enough for matrix products to dominate (measured on this project's CPU: bf16 2.3x faster than fp32 for the
-    576-wide demo model; 1.2-1.6x slower for the 64-wide test model, whose time goes to attention over 16-dim
-    heads). bitsandbytes' 4-bit CPU kernel computes in bf16 on such CPUs too."""
+    enough for matrix products to dominate (on narrower ones the time goes to attention over small heads, where
+    bf16 is slower). bitsandbytes' 4-bit CPU kernel computes in bf16 on such CPUs too."""
     shape = attention_shape(cfg)
     wide = shape["heads"] * shape["head_dim"] >= 256
     return "bfloat16" if not on_gpu and cpu_bf16 and wide else compute
@@ -123,8 +122,8 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
                  timings: list[BackendTiming] | None = None) -> Plan:
     """Every `auto` made concrete; every requirement the machine cannot meet reported together.
 
-    `timings` are the attention probes of the selected GPUs (finetune_flows/models/backends.py); without them `auto` attention
-    is sdpa."""
+    `timings` are the attention probes of the selected GPUs (models/backends.py); without them `auto` attention is
+    sdpa."""
     problems: list[str] = []
     gpus = selection.gpus
     on_gpu = bool(gpus)
@@ -310,7 +309,7 @@ def probe_dir(cache: Path | None) -> Path | None:
 
 def run_probe(workdir: Path, kernels: dict[str, str] | None = None, cache: Path | None = None) -> EnvironmentReport:
     """The probe's report: from `cache` (probe_dir) when this interpreter, stack and machine were probed before (a
-    child that imports torch and bitsandbytes costs 5-20 s per run), else from a new child. The GPUs' free memory
+    child that imports torch and bitsandbytes costs seconds per run), else from a new child. The GPUs' free memory
     and the Hub's reachability are read fresh either way."""
     gpus = read_inventory()
     folder = probe_dir(cache)

@@ -1,14 +1,14 @@
 """CPU workers forked from a process that has imported torch, transformers and peft once.
 
-On a CPU a small step's worker spends far longer importing its libraries than working (measured on the 2-core test
-host: `import torch, transformers, peft` with the Trainer, 14 CPU-s; the tiny model's whole training, 1.3 s). So the
-CPU workers of the steps in FORKABLE (CUDA_VISIBLE_DEVICES="") are not fresh interpreters: a fork server, started by
-the launcher on first use, imports the libraries once and forks each worker. What the launcher relies on holds for a
-forked worker as for a started one (finetune_flows/runtime/launcher.py):
+On a CPU a small step's worker spends far longer importing its libraries (torch, transformers, peft, the Trainer)
+than working. So the CPU workers of the steps in FORKABLE (CUDA_VISIBLE_DEVICES="") are not fresh interpreters: a
+fork server, started by the launcher on first use, imports the libraries once and forks each worker. What the
+launcher relies on holds for a forked worker as for a started one (runtime/launcher.py):
 - it runs in a session of its own, with the step's environment, working directory and arguments, as
   `python -m <module> <job>` would (`ps` shows the server's command line; `top` and `ps -o comm` the module's
-  name, e.g. `train_worker`; the launcher's log line names its pid); its stdout and stderr are the pipe the launcher reads, and what importing the
-  libraries printed in the server (warnings, bitsandbytes' note) comes first, as it would have in a fresh process;
+  name, e.g. `train_worker`; the launcher's log line names its pid); its stdout and stderr are the pipe the
+  launcher reads, and what importing the libraries printed in the server (warnings, bitsandbytes' note) comes
+  first, as it would have in a fresh process;
 - it gets SIGTERM when the server dies, and the server gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG at both
   levels; the server is started from a thread of its own, as the signal follows the thread that started a child),
   so no worker outlives its launcher; the launcher ends its servers when it exits;
@@ -48,13 +48,13 @@ FORKABLE = ("finetune_flows.training.worker", "finetune_flows.evaluation.worker"
 PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
 # Read by the worker when it runs, never when a library is imported: a job may differ from its server in these.
 PER_JOB = frozenset({
-    "FINETUNE_FLOWS_LAUNCHER", "FINETUNE_FLOWS_STOP_GRACE", "FINETUNE_FLOWS_FAULTS",  # finetune_flows/runtime/lifecycle.py
+    "FINETUNE_FLOWS_LAUNCHER", "FINETUNE_FLOWS_STOP_GRACE", "FINETUNE_FLOWS_FAULTS",  # runtime/lifecycle.py
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",  # the rank
-    "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",  # finetune_flows.runtime.launcher.COMPILE_CACHES
+    "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",  # launcher.COMPILE_CACHES
     "PYTEST_CURRENT_TEST",  # pytest's, new for every test: keyed on it, a test suite started a server per test
 })
 MESSAGE_BYTES = 1 << 20
-READY_TIMEOUT = 600.0  # importing on a loaded 2-core host took up to ~60 s
+READY_TIMEOUT = 600.0  # importing on a loaded small host can take a minute
 
 
 def wanted(module: str, env: dict[str, str]) -> bool:

@@ -40,7 +40,7 @@ DEFAULT_STOP_GRACE = 25.0  # below the 30 s a Prefect worker waits after SIGTERM
 FAILURE_ORDER = ("user_error", "disk_full", "oom", "interrupted")  # the most telling cause first
 # Every worker hashes strings the same way: PEFT writes `all-linear` target modules from a set, and with a fixed hash
 # seed adapter_config.json is byte-stable, so one config trains one adapter, byte for byte (and its evaluation has
-# one cache key). One value for every step also lets one fork server serve them all (finetune_flows/runtime/forkserver.py).
+# one cache key). One value for every step also lets one fork server serve them all (runtime/forkserver.py).
 STABLE_HASHES = {"PYTHONHASHSEED": "0"}
 
 
@@ -54,20 +54,18 @@ def worker_env(gpu_env: dict[str, str]) -> dict[str, str]:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("TQDM_DISABLE", "1")  # progress comes back as events, not bars
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' own bars (read when it is imported)
-    # flash-attention-4 compiles its kernels on first use in every process (the GPU proof's evaluation on FA4: 5.86 s
-    # for the base pass, 0.38 s for the adapter's); its own on-disk cache (locked, atomic, keyed by FA4's source)
-    # lets the attention probe's compilation serve the workers after it (in `compile_caches`' folder where the step
-    # passes one). Not yet measured on a GPU; FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 turns it off.
+    # flash-attention-4 compiles its kernels on first use in every process; its own on-disk cache (locked, atomic,
+    # keyed by FA4's source) lets the attention probe's compilation serve the workers after it (in
+    # `compile_caches`' folder where the step passes one). FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=0 turns it off.
     env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
     return env
 
 
-# Packed micro-batches change shape at every step, and the caching allocator's fixed-size segments then fragment:
-# on the Qwen3-8B shape the training bench's step allocated at most 70.6 GiB but held 118.6 GiB reserved, against
-# 70.9 GiB with expandable segments at the same tokens/s (benchmarks/results/train-bench-1xGPU-20261202-224238), which
-# map more memory into one growing segment instead (PyTorch's documented remedy for varying batch sizes). Training
-# workers get it unless the user's environment sets the allocator itself.
+# Packed micro-batches change shape at every step, and the caching allocator's fixed-size segments then fragment
+# (reserved memory far above what a step allocates: benchmarks/results/train-bench-1xGPU-20261202-224238/NOTE.md).
+# Expandable segments map more memory into one growing segment instead (PyTorch's documented remedy for varying
+# batch sizes). Training workers get it unless the user's environment sets the allocator itself.
 TRAINING_ALLOCATOR = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
@@ -94,7 +92,8 @@ def compile_caches(cache_root: Path, selection) -> dict[str, str]:
 
 
 def compile_root(cache_root: Path, selection) -> Path:
-    """`<cache_dir>/compile/<GPU model>/`: the compilers' caches, and what compiling took there (finetune_flows/training/compiling.py)."""
+    """`<cache_dir>/compile/<GPU model>/`: the compilers' caches, and what compiling took there
+    (training/compiling.py)."""
     kinds = sorted({f"{g.name}-sm{g.capability[0]}{g.capability[1]}" for g in selection.gpus}) or ["cpu"]
     return cache_root / "compile" / re.sub(r"[^A-Za-z0-9.-]+", "-", "+".join(kinds))
 

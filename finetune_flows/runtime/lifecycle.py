@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from finetune_flows.errors import UserInputError
-from finetune_flows.runtime.processes import ProcessId, parent_of, remove_record_if_mine, write_record
+from finetune_flows.runtime.processes import ProcessId, ancestors, remove_record_if_mine, write_record
 
 LAUNCHER_ENV = "FINETUNE_FLOWS_LAUNCHER"  # "<pid> <start time>" of the orchestrator that started this worker tree
 GRACE_ENV = "FINETUNE_FLOWS_STOP_GRACE"  # seconds a worker has to stop after SIGTERM
@@ -56,14 +56,6 @@ def preexec_die_with(parent_pid: int):
     return preexec
 
 
-def _ancestors(pid: int) -> list[int]:
-    chain = []
-    while pid > 1 and len(chain) < 64:
-        pid = parent_of(pid) or 0
-        chain.append(pid)
-    return chain
-
-
 def die_with_launcher() -> None:
     """In every worker process: SIGTERM when our parent exits; exit now if our orchestrator is already gone or we
     were orphaned (re-parented away from it) before the death signal was armed."""
@@ -71,7 +63,7 @@ def die_with_launcher() -> None:
     launcher = ProcessId.parse(os.environ.get(LAUNCHER_ENV, ""))
     if launcher is None:  # started by hand, not by run_worker
         return
-    if not launcher.is_running() or launcher.pid not in [os.getppid(), *_ancestors(os.getppid())]:
+    if not launcher.is_running() or launcher.pid not in ancestors(os.getpid()):
         print("the orchestrator that started this worker is gone: exiting", file=sys.stderr, flush=True)
         os._exit(1)
 
@@ -408,8 +400,8 @@ def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
 
 def exit_now(code: int) -> None:
     """End a worker whose work is on disk without the interpreter's teardown: with torch, transformers, peft and
-    bitsandbytes loaded, tearing the modules down takes 2.6 s of CPU after the last line on a 2-core host (0.09 s
-    this way), and every step waited for it. Everything the worker writes is written and renamed before this;
+    bitsandbytes loaded, tearing the modules down takes seconds of CPU after the last line, and every step waited
+    for it. Everything the worker writes is written and renamed before this;
     the streams and log handlers are flushed here; the training ranks have left their process group already."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -289,7 +289,8 @@ def checked_config(config: str | Path | None, overrides: list[str] | None) -> Fi
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m finetune_flows.runtime.policy PATH`: write the safe default policy for this checkout to PATH, unless it exists."""
+    """`python -m finetune_flows.runtime.policy PATH`: write the safe default policy for this checkout to PATH,
+    unless it exists."""
     import sys
 
     args = argv if argv is not None else sys.argv[1:]

@@ -1,8 +1,8 @@
 """Processes by identity, not by number: a PID with its start time, the tree below a process, stopping it.
 
 A PID alone can be reused by an unrelated process once ours has exited, so every PID this project writes down
-carries the start time from `/proc/<pid>/stat`, and nothing is signalled unless both still match. Linux only
-(the pipeline's GPU hosts); where /proc is missing, processes read as gone.
+carries its start time, and nothing is signalled unless both still match. psutil reads the process table; where a
+process is missing (or /proc is), it reads as gone.
 """
 
 from __future__ import annotations
@@ -12,43 +12,48 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command name (field 3, the state, is index 0)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
+import psutil
 
 
 def start_time(pid: int) -> int | None:
-    fields = _stat(pid)
-    return int(fields[19]) if fields else None  # field 22: start time in clock ticks after boot
+    """Start time in clock ticks after boot (/proc/<pid>/stat field 22). Our own, not psutil's create_time(): that
+    adds the boot time as the wall clock has it now, so a record read in another process could read as another
+    process after a clock change (psutil keeps the tick count it compares itself private)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def parent_of(pid: int) -> int | None:
-    fields = _stat(pid)
-    return int(fields[1]) if fields else None
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return None
 
 
 def alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")  # a zombie has exited; only its entry is left
+    """Running, and not a zombie (an exited process whose entry waits for its parent's wait())."""
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return False
 
 
 def descendants(pid: int) -> list[int]:
     """Every process below pid, including those that started their own session (torchrun's ranks do)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        parent = parent_of(int(stat.parent.name))
-        if parent is not None:
-            children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def ancestors(pid: int) -> list[int]:
+    """The parent of pid, its parent, and so on up to PID 1."""
+    try:
+        return [parent.pid for parent in psutil.Process(pid).parents()]
+    except psutil.Error:
+        return []
 
 
 @dataclass(frozen=True)
@@ -137,7 +142,9 @@ def signal_tree(members: list[ProcessId], group: int | None, sig: int) -> None:
 
 
 def wait_gone(members: list[ProcessId], timeout: float, poll: float = 0.1, while_waiting=None) -> bool:
-    """Wait until no member runs; call while_waiting() between polls (e.g. to drain their output)."""
+    """Wait until no member runs; call while_waiting() between polls (e.g. to drain their output). Our own loop, not
+    psutil.wait_procs: that reaps a member that is our child behind subprocess's back (its exit status lost) and has
+    no hook between polls."""
     deadline = time.monotonic() + timeout
     while any(m.is_running() for m in members):
         if time.monotonic() >= deadline:

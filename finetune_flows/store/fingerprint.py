@@ -2,7 +2,7 @@
 
 Each step's key includes the versions of the libraries that compute it and the source of the project modules
 that do (`STEP_CODE`), so an upgrade or a code change recomputes instead of silently reusing. The cache root is
-not in the keys: entries live under it (finetune_flows/store/entries.py), so a run with another cache root never sees them.
+not in the keys: entries live under it (store/entries.py), so a run with another cache root never sees them.
 """
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ STEP_LIBRARIES: dict[str, tuple[str, ...]] = {
 # The engine modules (paths under finetune_flows/) whose source can change each step's output. Modules not present
 # (yet) are skipped, so a step's list may name a module another change is about to add.
 STEP_CODE: dict[str, tuple[str, ...]] = {
-    "prepare-dataset": ("data/dataset", "data/demo"),
+    "prepare-dataset": ("data/dataset", "data/rows", "data/demo"),
     "quantize-base-model": ("models/quantize", "models/sources"),
     "train-adapter": ("training/train", "training/worker", "data/packing", "models/attention", "training/planner",
                       "training/distributed", "training/sharding", "training/compiling", "models/dequantize",
                       "config/plan"),
     "evaluate-adapter": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
-                         "models/dequantize"),
+                         "evaluation/static_engine", "models/dequantize"),
     "evaluate-checkpoint": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
-                            "models/dequantize"),
+                            "evaluation/static_engine", "models/dequantize"),
     "merge-adapter": ("export/merge", "models/dequantize"),
 }
 

@@ -122,7 +122,7 @@ class AttemptLog:
         self.save()
 
     def observe(self, event: dict[str, Any]) -> None:
-        """A rank's `progress` event: tokens and seconds of this attempt so far (see finetune_flows/runtime/lifecycle.py)."""
+        """A rank's `progress` event: tokens and seconds of this attempt so far (see runtime/lifecycle.py)."""
         if event.get("kind") != "progress":
             return
         self.ranks[int(event.get("rank", 0))] = event

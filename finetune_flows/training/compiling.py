@@ -1,11 +1,8 @@
 """Compiled decoder layers (`train.compile`): how they are compiled, and under `auto` whether the run repays it.
 
-`torch.compile` of each decoder layer (dynamic shapes) fuses the elementwise work and cuts kernel launches, for
-1.8x the tokens/s of the same dequantized base uncompiled on an H200 with 10k-token micro-batches
-(benchmarks/results/train-bench-1xGPU-20261201-032103) and 1.46x with the GPU proof's 1.2k-token ones. Compiling
-costs time before the first compiled step (on the H200, Qwen3-0.6B shape: 75-98 s with an empty compile cache, 52 s
-with a warm one), which a short run never earns back: the proof's 60-step flow trained in 100 s compiled and 54 s
-eager (benchmarks/results/compile-auto-1xGPU-20261202-103200).
+`torch.compile` of each decoder layer (dynamic shapes) fuses the elementwise work and cuts kernel launches, so
+compiled steps run faster; but compiling costs time before the first compiled step, which a short run never earns
+back (the figures: benchmarks/results/train-bench-1xGPU-20261201-032103/NOTE.md).
 
 So under `auto` the layers start eager. After MEASURE_STEPS steps (an attempt's first step left out) the median
 eager step time `t` and the optimizer steps left `n` give what compiling would save, n * t * (1 - 1/SPEEDUP), and
@@ -26,11 +23,10 @@ from pathlib import Path
 from finetune_flows.store.entries import write_atomic
 
 MEASURE_STEPS = 5  # eager steps timed before deciding
-# The lower of the two speedups measured on the H200 (above): a decision must not count on the larger one.
+# The lower of the speedups the benchmarks showed: a decision must not count on the larger one.
 SPEEDUP = 1.45
-# Compilation plus the first compiled step less an eager one, measured on H200s for the Qwen3-0.6B shape with an
-# empty compile cache: 98 s mid-run, 75 s (with the first step's own start-up) before the first step, on two
-# machines (benchmarks/results/ above). Used until this GPU model has a measurement of its own.
+# Compilation plus the first compiled step less an eager one, with an empty compile cache, as the benchmarks
+# showed it; used until this GPU model has a measurement of its own.
 DEFAULT_COST_S = 90.0
 RECORD = "compile-seconds.json"
 

@@ -79,7 +79,7 @@ def torchrun_command(module: str, job_path: Path, cfg: FinetuneConfig, plan: Pla
 def train_command(cfg: FinetuneConfig, plan: Plan, job_path: Path, run_id: str) -> list[str]:
     """The process the training step starts: torchrun of the rank body, the Ray Train driver, or for one CPU rank
     the rank body itself (it sets up what torchrun would give it, `single_rank_defaults`), which the launcher can
-    fork from its pre-imported fork server (finetune_flows/runtime/forkserver.py) instead of starting two fresh interpreters."""
+    fork from its pre-imported fork server (runtime/forkserver.py) instead of starting two fresh interpreters."""
     if cfg.hardware.launcher == "ray":
         return [sys.executable, "-m", "finetune_flows.training.ray_worker", str(job_path)]
     if plan.device == "cpu" and plan.nproc == 1 and cfg.hardware.nodes == 1:
@@ -194,7 +194,7 @@ def report_callback():
     """The Trainer's Ray integration, with the checkpoint reported by rank 0 alone. Under DDP every rank holds
     the same checkpoint; if each reported its own copy, a rank that looked before the new checkpoint was on disk
     would merge the previous step's files into it. Every rank's RNG state is already in the copy: the training
-    worker's own `on_save` (finetune_flows/training/worker.py, a callback added before this one) waits for every rank."""
+    worker's own `on_save` (training/worker.py, a callback added before this one) waits for every rank."""
     import ray.train
     from ray.train.huggingface.transformers import RayTrainReportCallback
 

@@ -16,8 +16,8 @@ The memory model, per rank (bytes):
   checkpointing only each layer's input is kept (plus one layer recomputed at a time);
 - logits: with a fused linear cross-entropy (Liger) a bounded chunk, else T x vocab in bf16 + fp32 + grad;
 - a fixed reserve for the CUDA context, allocator slack, NCCL buffers and kernels' workspaces.
-Under FSDP (`shards` ranks, finetune_flows/training/sharding.py) each rank keeps 1/shards of the base and of the LoRA state, plus the
-units gathered at a time (the current and the prefetched decoder layer) and the lm_head, which stays gathered from
+Under FSDP (`shards` ranks, training/sharding.py) each rank keeps 1/shards of the base and of the LoRA state, plus
+the units gathered at a time (the current and the prefetched decoder layer) and the lm_head, which stays gathered from
 the end of the forward pass through the start of the backward pass.
 """
 
@@ -34,13 +34,11 @@ GIB = 2**30
 CONTEXT_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL, allocator slack
 MIB = 2**20
 BUDGET_FRACTION = 0.70  # of a GPU's free memory: others may share the GPU and grow after we measured it
-# Of a declared hardware.memory_budget_gib: the workers cap the allocator at it, and nothing else grows into it. The
-# memory model's own reserve (CONTEXT_RESERVE) already holds the CUDA context; what the allocator reserved on an H200
-# ran 7-8% over the rest of the prediction (benchmarks/results/train-bench-1xGPU-20261203-082613: 0.6B at 12 GiB
-# 6.17 GiB against 5.77, 8B at 24 GiB 11.40 against 10.54, 8B whole 70.93 against 65.98), and the context 1.28 GiB:
-# a plan predicted at 90% of the budget then holds about 1.08 x (0.9 x budget - 1.5) + 1.3 GiB, under the budget.
+# Of a declared hardware.memory_budget_gib: the workers cap the allocator at it and nothing else grows into it; the
+# reserve above holds the CUDA context, and reserved memory runs ~8% over the prediction (the measurements:
+# benchmarks/results/train-bench-1xGPU-20261203-122342/NOTE.md), so a plan at 90% stays under the budget.
 CAP_FRACTION = 0.90
-USEFUL_TOKENS = 4096  # below this a micro-batch underfills an H100-class GPU: worth checkpointing to get there
+USEFUL_TOKENS = 4096  # below this a micro-batch underfills a data-centre GPU: worth checkpointing to get there
 MAX_MICRO_BATCH_TOKENS = 65536  # beyond this, larger micro-batches no longer speed anything up
 
 
@@ -99,9 +97,8 @@ class ModelShape:
         h, i = self.hidden, self.intermediate
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         # q and k three times each (the projection's output, the normed one, the rotated one the attention kernel
-        # keeps), v, the attention's output (o_proj's input), and the MLP's gate, up and their product. The rotated
-        # q/k were missing until measured on an H200 (benchmarks/results/train-bench-1xGPU-20261202-230939): the step
-        # allocated 1.22x (0.6B shape) and 1.11x (8B) what the model without them predicted.
+        # keeps), v, the attention's output (o_proj's input), and the MLP's gate, up and their product (without the
+        # rotated q/k the prediction fell short: benchmarks/results/train-bench-1xGPU-20261202-230939/NOTE.md).
         per_layer = (4 * h) * residual_bytes + (4 * q + 4 * kv + 3 * i) * dtype_bytes
         if checkpointing:
             return self.layers * h * residual_bytes + per_layer
@@ -122,7 +119,7 @@ class TrainingPlan(BaseModel):
     reasons: list[str]
     dequantize_base: bool = False  # hold the NF4 weights dequantized (the same numbers, no per-call dequant)
     compile_layers: bool = False  # torch.compile each decoder layer (fused elementwise, fewer launches)
-    compile_deferred: bool = False  # ... only once the first steps show the run repays it (finetune_flows/training/compiling.py)
+    compile_deferred: bool = False  # ... only once the first steps show the run repays it (training/compiling.py)
 
 
 def _linear_bytes_per_param(four_bit: bool, dtype_bytes: int) -> float:
@@ -153,7 +150,7 @@ def memory_parts(shape: ModelShape, tokens: int, *, checkpointing: bool, four_bi
     the adapter (weights, gradients, AdamW moments), the activations and logits, the fixed reserve."""
     frozen = 4 if upcast else dtype_bytes
     # with PEFT's fp32 upcast the embeddings hand fp32 to the first norm and bitsandbytes returns each projection in
-    # its input's dtype, so every saved activation is fp32 (measured: 28.9 vs 14.4 GiB, Qwen3-0.6B, 10k tokens)
+    # its input's dtype, so every saved activation is fp32 (twice the bytes of bf16)
     act = 4 if upcast else dtype_bytes
     weights = _base_bytes(shape, four_bit, frozen, dtype_bytes)
     lora = 16 * shape.lora_params(lora_r, lora_targets) / shards
@@ -194,7 +191,7 @@ def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
 
     The dequantized base gets its own micro-batches (its bf16 weights leave less room for them), with the
     checkpointing the 4-bit base needs (`auto`), and is held wherever they fit: at equal checkpointing, dropping the
-    per-call dequantization and compiling the layers were measured faster (benchmarks/README.md), while turning
+    per-call dequantization and compiling the layers are faster (benchmarks/README.md), while turning
     checkpointing on to make room for the bf16 weights runs the forward pass a second time."""
     batches = dict(max_row=max_row, mean_row=mean_row, rows_per_step=rows_per_step, packing=packing,
                    micro_batch_tokens=micro_batch_tokens, lora_r=lora_r, lora_targets=lora_targets,

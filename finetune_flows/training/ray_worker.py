@@ -1,12 +1,13 @@
 """`hardware.launcher: ray`: the training step on an existing Ray cluster, through Ray Train.
 
-`python -m finetune_flows.training.ray_worker job.json` is the child process the training step starts instead of torchrun. It
-connects to the cluster (`ray.init(address=hardware.ray_address)`) and runs a `TorchTrainer` whose workers (one
-GPU each, or CPU workers over gloo) execute the same rank body as torchrun's ranks, `finetune_flows.training.worker`. Ray
-forwards the workers' output to this driver, so progress events reach the Prefect logs and the progress artifact as
-with torchrun. Checkpoints are reported through the Trainer's Ray integration (`RayTrainReportCallback`) and kept in
-the run's storage (`<adapter dir>/ray`); a retry of the step resumes from the newest one. Ray's own restarts are
-off: a dead worker fails the attempt, and Prefect's retry (with the device slots held as usual) restarts it.
+`python -m finetune_flows.training.ray_worker job.json` is the child process the training step starts instead of
+torchrun. It connects to the cluster (`ray.init(address=hardware.ray_address)`) and runs a `TorchTrainer` whose
+workers (one GPU each, or CPU workers over gloo) execute the same rank body as torchrun's ranks,
+`finetune_flows.training.worker`. Ray forwards the workers' output to this driver, so progress events reach the
+Prefect logs and the progress artifact as with torchrun. Checkpoints are reported through the Trainer's Ray
+integration (`RayTrainReportCallback`) and kept in the run's storage (`<adapter dir>/ray`); a retry of the step
+resumes from the newest one. Ray's own restarts are off: a dead worker fails the attempt, and Prefect's retry
+(with the device slots held as usual) restarts it.
 """
 
 from __future__ import annotations

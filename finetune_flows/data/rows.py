@@ -1,0 +1,197 @@
+"""Reading a data source into rows (JSONL, JSON, CSV, Parquet, a built-in task or a Hub dataset) and checking them:
+every row normalized to chat messages or plain text, errors naming the file, the row and the column."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from finetune_flows.config.schema import DataConfig
+from finetune_flows.data.demo import BUILTIN_DATASETS
+from finetune_flows.errors import DataError
+
+ROLES = {"system", "user", "assistant"}
+MAX_ROW_ERRORS = 5
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_rows(source: str, cfg: DataConfig) -> list[dict[str, Any]]:
+    """Rows as dicts, with errors naming the file and row."""
+    if source.startswith("builtin:"):
+        name = source.split(":", 1)[1]
+        if name not in BUILTIN_DATASETS:
+            raise DataError(f"data.source={source}: unknown built-in dataset; known: {sorted(BUILTIN_DATASETS)}")
+        return BUILTIN_DATASETS[name](cfg.builtin_examples, seed=cfg.seed)
+    if source.startswith("hub:"):
+        import datasets
+
+        try:
+            return list(datasets.load_dataset(source[4:], split=cfg.hub_split, revision=cfg.hub_revision))
+        except Exception as exc:
+            raise DataError(f"data.source={source}: could not load from the Hub: {exc}") from None
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise DataError(f"data file not found: {path}")
+    if not path.is_file():
+        raise DataError(f"data source {path} is not a file")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".jsonl":
+            return _read_jsonl(path)
+        if suffix == ".json":
+            return _read_json(path)
+        if suffix == ".csv":
+            return _read_csv(path)
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist()
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc})") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read ({exc})") from None
+    except DataError:
+        raise
+    except Exception as exc:  # e.g. a corrupt parquet file
+        raise DataError(f"{path}: cannot be parsed as {suffix[1:]} ({exc})") from None
+    raise DataError(f"{path}: unsupported file type {suffix or '(none)'}; use .jsonl, .json, .csv or .parquet")
+
+
+def json_problem(exc: json.JSONDecodeError) -> str:
+    """The decoder's message followed by `at `: some messages already end with it (`Invalid control character at`)."""
+    return exc.msg.removesuffix(" at") + " at "
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} line {lineno}: not valid JSON ({json_problem(exc)}column {exc.colno})") \
+                    from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
+            row["__row__"] = f"line {lineno}"
+            rows.append(row)
+    return rows
+
+
+def _read_json(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: not valid JSON ({json_problem(exc)}line {exc.lineno}, column {exc.colno})") from None
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a list of objects (or {{\"data\": [...]}})")
+    for i, row in enumerate(data, 1):
+        if not isinstance(row, dict):
+            raise DataError(f"{path} row {i}: expected an object, got {type(row).__name__}")
+        row["__row__"] = f"row {i}"
+    return data
+
+
+def _read_csv(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        for row in reader:
+            where = f"line {reader.line_num}"
+            if None in row:
+                raise DataError(f"{path} {where}: more fields than the header has columns")
+            row["__row__"] = where
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- validating
+
+
+def detect_format(rows: list[dict[str, Any]], cfg: DataConfig, where: str) -> str:
+    if cfg.format != "auto":
+        return cfg.format
+    keys = set(rows[0])
+    c = cfg.columns
+    if c.messages in keys:
+        return "chat"
+    if c.prompt in keys and c.response in keys:
+        return "instruction"
+    if c.text in keys:
+        return "text"
+    found = ", ".join(sorted(k for k in keys if k != "__row__"))
+    raise DataError(
+        f"{where}: cannot tell the format from the columns ({found}); expected `{c.messages}` (chat), "
+        f"`{c.prompt}` + `{c.response}` (instruction) or `{c.text}` (text). Set data.format and data.columns."
+    )
+
+
+def to_messages(row: dict[str, Any], fmt: str, cfg: DataConfig) -> list[dict[str, str]] | str:
+    """Normalize one row to chat messages (or plain text); raise ValueError describing what is wrong."""
+    c = cfg.columns
+    if fmt == "text":
+        text = row.get(c.text)
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"`{c.text}` must be non-empty text")
+        return text
+    if fmt == "instruction":
+        msgs = []
+        if c.system and c.system in row:
+            system = row.get(c.system)
+            if system is not None and not isinstance(system, str):
+                raise ValueError(f"`{c.system}` must be text")
+            if system:
+                msgs.append({"role": "system", "content": system})
+        for key, role in ((c.prompt, "user"), (c.response, "assistant")):
+            value = row.get(key)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"`{key}` must be non-empty text (got {value!r})")
+            msgs.append({"role": role, "content": value})
+        return msgs
+    messages = row.get(c.messages)
+    if isinstance(messages, str):  # CSV cells hold JSON text
+        try:
+            messages = json.loads(messages)
+        except json.JSONDecodeError:
+            raise ValueError(f"`{c.messages}` is text that is not a JSON list") from None
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"`{c.messages}` must be a non-empty list of {{role, content}}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"`{c.messages}`[{i}] must be {{role: system|user|assistant, content: text}}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"`{c.messages}` has no assistant message to learn from")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def normalize(rows: list[dict[str, Any]], cfg: DataConfig, where: str) -> tuple[str, list]:
+    """Check every row; one DataError lists the first few bad rows, the column names, and the fix."""
+    if not rows:
+        raise DataError(f"{where}: the dataset is empty (no rows)")
+    fmt = detect_format(rows, cfg, where)
+    required = {"chat": [cfg.columns.messages], "instruction": [cfg.columns.prompt, cfg.columns.response],
+                "text": [cfg.columns.text]}[fmt]
+    missing = [k for k in required if k not in rows[0]]
+    if missing:
+        found = ", ".join(sorted(k for k in rows[0] if k != "__row__"))
+        raise DataError(f"{where}: {fmt} format needs column(s) {', '.join(missing)}, found: {found}. "
+                        f"Map yours with data.columns.*")
+    out, errors = [], []
+    for i, row in enumerate(rows, 1):
+        try:
+            out.append(to_messages(row, fmt, cfg))
+        except ValueError as exc:
+            errors.append(f"{row.get('__row__', f'row {i}')}: {exc}")
+    if errors:
+        shown = "; ".join(errors[:MAX_ROW_ERRORS])
+        more = f" (and {len(errors) - MAX_ROW_ERRORS} more)" if len(errors) > MAX_ROW_ERRORS else ""
+        raise DataError(f"{where}: {len(errors)} malformed row(s): {shown}{more}")
+    return fmt, out
