@@ -10,9 +10,11 @@ from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.orchestration.steps import step
 from finetune_flows.runtime import environment
 from finetune_flows.runtime.environment import EnvironmentReport
+from finetune_flows.runtime.gpus import GpuInfo
 
 
 @step(name="verify-environment", task_run_name="verify-environment(gpus={cfg.hardware.gpus})", tags=["setup"])
-def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentReport, Plan]:
+def verify_environment(cfg: FinetuneConfig, run_dir: Path,
+                       inventory: list[GpuInfo] | None = None) -> tuple[EnvironmentReport, Plan]:
     """Probe the machine, publish the report, and check the config against it (all problems at once)."""
-    return environment.verify_environment(cfg, run_dir)
+    return environment.verify_environment(cfg, run_dir, inventory)

@@ -106,3 +106,9 @@ def test_no_worker_job_holds_an_unresolved_auto(flow_run):
     assert train["config"]["hardware"]["gpus"] == "cpu" and train["config"]["eval"]["engine"] == "static"
     assert result.eval.table()  # the run finished with its evaluation
 
+
+def test_the_gpu_inventory_is_read_once_per_flow_run(flow_run):
+    _, jobs, reads = flow_run
+    inventory = [r for r in reads if r[1] == "count"]
+    assert [r[2] for r in inventory] == ["read_inventory"], reads
+    assert jobs["environment"]["gpus"] == []  # the probe worker got the run's reading instead of reading again
