@@ -263,7 +263,8 @@ def report_markdown(env: EnvironmentReport, plan: Plan | None = None) -> str:
     lines += [f"| {k} | {v or 'not installed'} |" for k, v in env.versions.items()]
     if plan is not None:
         lines += ["", "## Resolved plan", "", "| choice | value |", "|---|---|"]
-        lines += [f"| {k} | {v} |" for k, v in plan.model_dump().items()]
+        # the memory planner's part comes with the training step (the training-plan artifact)
+        lines += [f"| {k} | {v} |" for k, v in plan.model_dump(exclude={"training"}).items()]
     return "\n".join(lines) + "\n"
 
 
@@ -375,7 +376,7 @@ def verify_environment(cfg: FinetuneConfig, run_dir: Path,
     from prefect.artifacts import create_markdown_artifact  # here: the probe worker imports this module
 
     create_markdown_artifact(md, key="environment-report", description="Machine, stack and resolved plan")
-    run_logger().info("plan: %s", plan.model_dump())
+    run_logger().info("plan: %s", plan.model_dump(exclude={"training"}))
     return env, plan
 
 
