@@ -208,7 +208,7 @@ class LaunchBench:
 
         cfg = self.config(hardware)
         sel, plan = resolved(cfg, self.env, ids)
-        plan = plan.model_copy(update={"training": self.tplan})
+        plan = plan.with_training(self.tplan)
         job = write_train_job(fresh(out), cfg, plan, self.base, self.dataset, ids, self.run_id)
         env = training_env({**sel.env, **COMMON_ENV, **compile_caches(out / "compile-cache"), **extra_env})
         return Node(train_command(cfg, plan, job, self.run_id), env, out)

@@ -124,7 +124,7 @@ def run(args, env, state: Path, cache: Path, strategy: str, data: Path, stats: d
     out = fresh(state / "out" / strategy)
     dataset = workload_dataset(data, stats)
     tplan = training_plan(cfg, dataset, base, plan, sel)
-    plan = plan.model_copy(update={"training": tplan})
+    plan = plan.with_training(tplan)
     job = write_train_job(out, cfg, plan, base, dataset, ids, strategy)
     with MemoryPoller(ids) as mem:
         run_worker("train", torchrun_module("finetune_flows.training.worker", job, plan.nproc), training_env(child_env(ids)),

@@ -456,7 +456,7 @@ class Bench:
         extra = {}
         if profile:
             extra["profile"] = {"path": str(out / "profile.json"), "start": self.args.warmup + 2, "steps": 3}
-        plan = plan.model_copy(update={"training": tplan})
+        plan = plan.with_training(tplan)
         job = write_train_job(out, cfg, plan, base, data_obj, ids, name, **extra)
         worker_env = {**training_env(sel.env), **env_overrides}
         with MemoryPoller(ids) as mem:

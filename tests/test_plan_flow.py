@@ -78,7 +78,12 @@ def test_a_gpu_plans_worker_config_holds_its_values_and_no_auto():
         rows_per_step=64, packing=True, micro_batch_tokens=None, checkpointing="auto", four_bit=True, lora_r=16,
         lora_targets="all-linear", fused_ce=plan.liger, upcast=plan.upcast_frozen, dequantize=plan.dequantize_base,
         compile_layers=plan.compile != "off", compile_deferred=plan.compile == "deferred")
-    job = worker_config(cfg, plan.model_copy(update={"training": training}), selection.ids, "chat")
+    refined = plan.with_training(training)
+    assert refined.compile == "deferred" and refined.dequantize_base  # 140 GB free: the copy fits
+    kept_4bit = training.model_copy(update={"dequantize_base": False, "compile_layers": False,
+                                            "compile_deferred": False})
+    assert (plan.with_training(kept_4bit).compile, plan.with_training(kept_4bit).dequantize_base) == ("off", False)
+    job = worker_config(cfg, refined, selection.ids, "chat")
     assert unresolved(job) == []
     assert job["hardware"]["gpus"] == "0" and job["quantization"]["compute_dtype"] == "bfloat16"
     assert job["train"]["compile"] is True and training.compile_deferred  # when: the plan's compile: deferred

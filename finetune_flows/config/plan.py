@@ -2,8 +2,8 @@
 
 `Plan` is resolved once per run (finetune_flows/runtime/environment.py `resolve_plan`, when the environment is
 verified), refined by the memory planner before the training worker starts (`Plan.training`), and it is what every
-worker receives: a job file holds `plan` and `worker_config(cfg, plan)`, the config with each `auto` replaced by
-the plan's value. What only a worker can decide is a resolved mode here, never `auto`: `compile: deferred`
+worker receives: a job file holds `plan` and `worker_config(...)`, the config with each `auto` replaced by the
+plan's value. What only a worker can decide is a resolved mode here, never `auto`: `compile: deferred`
 compiles the layers once the first steps show the run repays it (finetune_flows/training/compiling.py).
 """
 
@@ -37,9 +37,15 @@ class Plan(BaseModel):
     strategy_choice: str = ""  # why
     liger: bool = False  # train.liger_kernel resolved
     upcast_frozen: bool = False  # train.upcast_frozen resolved
-    dequantize_base: bool = False  # train.dequantize_base as asked for; the memory planner may keep the base 4-bit
-    compile: CompileMode = "off"  # train.compile resolved (the memory planner may still turn it off)
+    dequantize_base: bool = False  # train.dequantize_base resolved; the memory planner may keep the base 4-bit
+    compile: CompileMode = "off"  # train.compile resolved; the memory planner may turn it off
     training: TrainingPlan | None = None  # the memory planner's micro-batch, accumulation, checkpointing, base
+
+    def with_training(self, training: TrainingPlan) -> Plan:
+        """The plan the training worker receives: refined by the memory planner's choice."""
+        compile_mode = "off" if not training.compile_layers else "deferred" if training.compile_deferred else "start"
+        return self.model_copy(update={"training": training, "dequantize_base": training.dequantize_base,
+                                       "compile": compile_mode})
 
 
 def liger_setting(cfg: FinetuneConfig, device: str) -> bool:

@@ -159,7 +159,7 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     entry = Entry(cfg.cache_root, "adapters", train_fingerprint(cfg, data, base, plan))
     out = entry.path
     tplan = training_plan(cfg, data, base, plan, gpus)
-    plan = plan.model_copy(update={"training": tplan})  # the plan the training worker receives
+    plan = plan.with_training(tplan)
     if plan.strategy_choice:
         tplan.reasons.insert(0, plan.strategy_choice)
         if cfg.hardware.strategy == "fsdp" and plan.strategy == "ddp":
