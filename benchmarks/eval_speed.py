@@ -64,7 +64,7 @@ def prepare(args, work: Path, device: str):
     from finetune_flows.orchestration.caching import run_step
     from finetune_flows.config.schema import load_config
     from tasks.prepare_dataset import prepare_dataset
-    from finetune_flows.config.plan import Plan
+    from finetune_flows.config.plan import Plan, training_settings
     from finetune_flows.runtime.environment import _cpu_bf16, auto_eval_dtype
     from finetune_flows.runtime.gpus import read_inventory, selection_for
     from finetune_flows.models.sources import materialize_tokenizer
@@ -88,9 +88,9 @@ def prepare(args, work: Path, device: str):
         f"eval.batch_size={args.baseline_batch}",
     ])
     compute = "bfloat16" if gpu else "float32"
-    plan = Plan(device=device, gpu_ids=[0] if gpu else [], nproc=1, precision="bf16" if gpu else "fp32",
-                compute_dtype=compute, train_attn="sdpa", eval_attn="sdpa",
-                eval_dtype=auto_eval_dtype(cfg, gpu, _cpu_bf16(), compute))  # as resolve_plan does
+    plan = Plan(device=device, nproc=1, precision="bf16" if gpu else "fp32", compute_dtype=compute, train_attn="sdpa",
+                eval_attn="sdpa", eval_dtype=auto_eval_dtype(cfg, gpu, _cpu_bf16(), compute),
+                **training_settings(cfg, device, "ddp"))  # as resolve_plan does
     gpus = selection_for("0" if gpu else "cpu", read_inventory())
     with prefect_test_harness(server_startup_timeout=120):  # the steps hold device slots through Prefect
         # run_step unwraps what a step returns when it reuses its stored output (a `Cached` state)

@@ -40,8 +40,7 @@ from pathlib import Path
 from typing import Iterator
 
 from benchmarks.scale_out import (
-    config, fresh, head_lines, host_hardware, loss_difference, metrics_row, quantized_base, resolved, train_job,
-    workload_dataset)
+    config, fresh, head_lines, host_hardware, loss_difference, metrics_row, quantized_base, resolved, workload_dataset)
 from benchmarks.train_speed import MemoryPoller, gpu_name
 from finetune_flows.runtime.launcher import STABLE_HASHES, training_env
 
@@ -195,7 +194,8 @@ class LaunchBench:
         cfg = self.config(host_hardware(args, self.ids))
         sel, plan = resolved(cfg, env, self.ids)
         self.base = quantized_base(cfg, plan, sel, state / "work" / "launchers")
-        self.tplan = training_plan(cfg, workload_dataset(data, stats), self.base, plan, sel)
+        self.dataset = workload_dataset(data, stats)
+        self.tplan = training_plan(cfg, self.dataset, self.base, plan, sel)
         self.run_id = f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
 
     def config(self, hardware: list[str]):
@@ -204,10 +204,12 @@ class LaunchBench:
     def node(self, out: Path, hardware: list[str], ids: list[int], extra_env: dict[str, str]) -> Node:
         """The training step's launch command for this config on these GPUs, with its job in `out`."""
         from finetune_flows.training.distributed import train_command
+        from finetune_flows.training.train import write_train_job
 
         cfg = self.config(hardware)
         sel, plan = resolved(cfg, self.env, ids)
-        job = train_job(fresh(out), cfg, plan, self.base, self.data, self.tplan, self.run_id)
+        plan = plan.with_training(self.tplan)
+        job = write_train_job(fresh(out), cfg, plan, self.base, self.dataset, ids, self.run_id)
         env = training_env({**sel.env, **COMMON_ENV, **compile_caches(out / "compile-cache"), **extra_env})
         return Node(train_command(cfg, plan, job, self.run_id), env, out)
 

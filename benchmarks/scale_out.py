@@ -101,16 +101,6 @@ def fresh(out: Path) -> Path:
     return out
 
 
-def train_job(out: Path, cfg, plan, base, data: Path, tplan, label: str) -> Path:
-    from finetune_flows.runtime.launcher import write_job
-    from finetune_flows.config.plan import liger_setting, upcast_setting
-
-    return write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
-                     base=str(base.path), data=str(data), load_in_4bit=base.load_in_4bit, fingerprint=label,
-                     training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
-                     upcast_frozen=upcast_setting(cfg))
-
-
 def metrics_row(r: dict, smi_peak_mib: float) -> dict:
     """What both kinds of report show of a run, from its train_metrics.json."""
     steady = r["steady_state"]
@@ -125,15 +115,17 @@ def metrics_row(r: dict, smi_peak_mib: float) -> dict:
 
 def run(args, env, state: Path, cache: Path, strategy: str, data: Path, stats: dict) -> dict:
     from finetune_flows.runtime.launcher import run_worker, torchrun_module, training_env
-    from finetune_flows.training.train import training_plan
+    from finetune_flows.training.train import training_plan, write_train_job
 
     ids = [g.index for g in env.gpus][:args.gpus]
     cfg = config(args, cache, strategy, host_hardware(args, ids))
     sel, plan = resolved(cfg, env, ids)
     base = quantized_base(cfg, plan, sel, state / "work" / strategy)
     out = fresh(state / "out" / strategy)
-    tplan = training_plan(cfg, workload_dataset(data, stats), base, plan, sel)
-    job = train_job(out, cfg, plan, base, data, tplan, strategy)
+    dataset = workload_dataset(data, stats)
+    tplan = training_plan(cfg, dataset, base, plan, sel)
+    plan = plan.with_training(tplan)
+    job = write_train_job(out, cfg, plan, base, dataset, ids, strategy)
     with MemoryPoller(ids) as mem:
         run_worker("train", torchrun_module("finetune_flows.training.worker", job, plan.nproc),
                    training_env(child_env(ids)), out)

@@ -430,9 +430,8 @@ class Bench:
         from finetune_flows.data.dataset import PreparedDataset
         from finetune_flows.runtime.environment import measured_plan
         from finetune_flows.runtime.gpus import selection_for
-        from finetune_flows.runtime.launcher import run_worker, torchrun_module, training_env, write_job
-        from finetune_flows.config.plan import liger_setting, upcast_setting
-        from finetune_flows.training.train import training_plan
+        from finetune_flows.runtime.launcher import run_worker, torchrun_module, training_env
+        from finetune_flows.training.train import training_plan, write_train_job
 
         overrides, env_overrides = split_overrides(overrides)
         _, base, _, _ = self.base_model(shape)
@@ -459,10 +458,8 @@ class Bench:
         extra = {}
         if profile:
             extra["profile"] = {"path": str(out / "profile.json"), "start": self.args.warmup + 2, "steps": 3}
-        job = write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
-                        base=str(base.path), data=str(data), load_in_4bit=base.load_in_4bit, fingerprint=name,
-                        training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
-                        upcast_frozen=upcast_setting(cfg), **extra)
+        plan = plan.with_training(tplan)
+        job = write_train_job(out, cfg, plan, base, data_obj, ids, name, **extra)
         worker_env = {**training_env(sel.env), **env_overrides}
         with MemoryPoller(ids) as mem:
             run_worker("train", torchrun_module("finetune_flows.training.worker", job, plan.nproc), worker_env, out)

@@ -27,6 +27,7 @@ from finetune_flows.evaluation.adapters import (  # noqa: E402
 from finetune_flows.evaluation.evaluate import beside_adapter, publish_eval  # noqa: E402
 from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
 from finetune_flows.orchestration.caching import run_step  # noqa: E402
+from finetune_flows.runtime.gpus import read_inventory  # noqa: E402
 from finetune_flows.runtime.policy import check_adapter_path  # noqa: E402
 from finetune_flows.store.fingerprint import pin_hub_revisions  # noqa: E402
 from tasks.evaluate_adapter import evaluate_adapter  # noqa: E402
@@ -42,10 +43,11 @@ def evaluate(adapter: str, config: str | None = None, overrides: list[str] | Non
     """`adapter`: an adapter directory or a merged checkpoint (runs/<run>/adapter or runs/<run>/merged)."""
     check_adapter_path(adapter)  # the worker's policy first: nothing read or written
     target = check_evaluation_dir(adapter)  # adapter or merged checkpoint, before anything loads
-    cfg = pin_hub_revisions(preflight(config or training_config(target.path), overrides))
+    inventory = read_inventory()  # the run's one reading of the GPUs
+    cfg = pin_hub_revisions(preflight(config or training_config(target.path), overrides, inventory))
     run_dir = create_eval_run_dir(cfg)
 
-    env, plan = verify_environment(cfg, run_dir)
+    env, plan = verify_environment(cfg, run_dir, inventory)
     gpus = select_gpus(cfg.hardware.gpus, env.gpus)
     tokenizer = materialize_tokenizer(cfg.model.source, cfg.cache_root, cfg.model.revision,
                                       cfg.model.trust_remote_code)

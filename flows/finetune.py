@@ -22,6 +22,7 @@ from finetune_flows.evaluation.evaluate import publish_eval  # noqa: E402
 from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
 from finetune_flows.orchestration.caching import run_step  # noqa: E402
 from finetune_flows.reporting.summary import FinetuneResult, finish_run, print_table  # noqa: E402
+from finetune_flows.runtime.gpus import read_inventory  # noqa: E402
 from finetune_flows.store.fingerprint import pin_hub_revisions  # noqa: E402
 from finetune_flows.store.runs import create_run_dir, flow_run_name  # noqa: E402
 from tasks.evaluate_adapter import evaluate_adapter  # noqa: E402
@@ -38,10 +39,11 @@ DEFAULT_CONFIG = "configs/demo.yaml"
 
 @flow(name="finetune", flow_run_name=flow_run_name, log_prints=True, persist_result=False)
 def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = None) -> FinetuneResult:
-    cfg = pin_hub_revisions(preflight(config, overrides))  # policy, then bad input, before anything is written
+    inventory = read_inventory()  # the run's one reading of the GPUs
+    cfg = pin_hub_revisions(preflight(config, overrides, inventory))  # policy, bad input, before anything is written
     run_dir = create_run_dir(cfg)
 
-    env, plan = verify_environment(cfg, run_dir)
+    env, plan = verify_environment(cfg, run_dir, inventory)
     gpus = select_gpus(cfg.hardware.gpus, env.gpus)
     tokenizer = materialize_tokenizer(cfg.model.source, cfg.cache_root, cfg.model.revision,
                                       cfg.model.trust_remote_code)

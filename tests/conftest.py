@@ -47,7 +47,7 @@ LONGEST_FIRST = [  # fresh-clone `make test` at 408c6f2: 309 passed in 1,190 s (
     "test_scale_ray.py", "test_faults_store.py", "test_pipeline.py", "test_faults.py", "test_deployments.py",
     "test_faults_stack.py", "test_faults_signals.py", "test_faults_cli.py", "test_scale_out.py", "test_progress.py",
     "test_policy_deployments.py", "test_plots_ui.py", "test_bench_train.py", "test_honest_numbers.py",
-    "test_bench_eval.py",
+    "test_bench_eval.py", "test_plan_flow.py",
 ]
 
 

@@ -90,7 +90,7 @@ def test_training_on_the_dequantized_base_computes_the_qlora_loss_and_gradients(
 
     base = tiny_quantized(shared_cache / "dequantize", "float32")
     cfg = FinetuneConfig.model_validate({"lora": {"dropout": 0.0}})
-    plan = Plan(device="cpu", gpu_ids=[], nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
+    plan = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
                 eval_attn="sdpa", eval_dtype="float32")
     ids = torch.randint(3, 1000, (2, 20), generator=torch.Generator().manual_seed(0))
 

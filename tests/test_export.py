@@ -19,7 +19,7 @@ from finetune_flows.errors import UserInputError
 from finetune_flows.export.merge import RECORD, MergedModel, compare_logits
 from finetune_flows.runtime.launcher import python_module, run_worker, write_job
 
-PLAN = Plan(device="cpu", gpu_ids=[], nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
+PLAN = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
             eval_attn="sdpa")
 PROMPTS = ["Ticket: I was charged twice for my subscription.", "Ticket: the app crashes when I log in.",
            "Ticket: how do I change my delivery address?", "Ticket: my password reset email never arrives."]

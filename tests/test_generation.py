@@ -205,7 +205,7 @@ def test_the_adapter_runs_in_the_evaluation_copys_dtype_not_pefts_fp32(shared_ca
     plain = AutoModelForCausalLM.from_pretrained(dequantized_copy(base, cache), dtype=torch.bfloat16)
     get_peft_model(plain, LoraConfig(r=4, target_modules="all-linear")).save_pretrained(tmp_path / "adapter")
     cfg = load_config(None, [f"run.cache_dir={cache}"])
-    plan = Plan(device="cpu", gpu_ids=[], nproc=1, precision="bf16", compute_dtype="bfloat16", train_attn="sdpa",
+    plan = Plan(device="cpu", nproc=1, precision="bf16", compute_dtype="bfloat16", train_attn="sdpa",
                 eval_attn="sdpa", eval_dtype="bfloat16")
     for engine, expected in (("static", torch.bfloat16), ("generate", torch.float32)):
         model = _load_with_adapter(cfg, base, tmp_path / "adapter", plan, torch.device("cpu"), engine)

@@ -160,7 +160,7 @@ def test_select_gpus_uses_the_probes_reading_and_never_reads_nvml_again(monkeypa
     # the inventory changed since the probe (another job took GPU 1's memory): the plan still stands
     monkeypatch.setattr(finetune_flows.runtime.gpus, "read_inventory",
                         lambda: [gpu(0, 99999), gpu(1, 10), gpu(2, 50000)])
-    assert select_gpus.fn("auto:1", FOUR).ids == plan_for(["hardware.gpus=auto:1"], FOUR).gpu_ids == [1]
+    assert select_gpus.fn("auto:1", FOUR).ids == [1] and plan_for(["hardware.gpus=auto:1"], FOUR).nproc == 1
 
 
 def test_the_environment_report_marks_what_may_not_be_selected():
@@ -248,7 +248,7 @@ def test_the_workers_cap_each_gpu_at_the_budget(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append(("cap", f, i)))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (130 * 2**30, total))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 4 * 2**30)
-    plan = Plan(device="cuda", gpu_ids=[3, 5], nproc=2, precision="bf16", compute_dtype="bfloat16",
+    plan = Plan(device="cuda", nproc=2, precision="bf16", compute_dtype="bfloat16",
                 train_attn="sdpa", eval_attn="sdpa")
     tf32 = torch.backends.cuda.matmul.allow_tf32
     try:

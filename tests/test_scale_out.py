@@ -24,7 +24,7 @@ from scale_support import assert_same_curve, free_port
 
 pytestmark = pytest.mark.slow
 
-CPU_PLAN = Plan(device="cpu", gpu_ids=[], nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
+CPU_PLAN = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
                 eval_attn="sdpa")
 
 
@@ -44,7 +44,7 @@ def test_one_cpu_rank_runs_without_torchrun_and_gets_what_torchrun_would_give_it
     nodes keep torchrun. The rank then sets up a world of one with a free port for the process group's store."""
     cfg, job = load_config(None, []), tmp_path / "job.json"
     assert train_command(cfg, CPU_PLAN, job, "abc")[1:] == ["-m", "finetune_flows.training.worker", str(job)]
-    gpu = CPU_PLAN.model_copy(update={"device": "cuda", "gpu_ids": [0]})
+    gpu = CPU_PLAN.model_copy(update={"device": "cuda"})
     for plan in (CPU_PLAN.model_copy(update={"nproc": 2}), gpu):
         assert "torch.distributed.run" in train_command(cfg, plan, job, "abc")
     from finetune_flows.training.distributed import single_rank_defaults
@@ -90,7 +90,7 @@ def test_gpus_per_node_must_match_what_torchrun_starts_here():
     assert plan_problems(load_config(None, ["hardware.gpus_per_node=1"]), CPU_PLAN) == []
     problems = plan_problems(load_config(None, ["hardware.gpus_per_node=2"]), CPU_PLAN)
     assert problems and "hardware.cpu_processes=1" in problems[0]
-    gpu_plan = CPU_PLAN.model_copy(update={"device": "cuda", "gpu_ids": [0, 1, 2, 3], "nproc": 4})
+    gpu_plan = CPU_PLAN.model_copy(update={"device": "cuda", "nproc": 4})
     assert "selects 4 GPU(s)" in plan_problems(load_config(None, ["hardware.gpus_per_node=8"]), gpu_plan)[0]
     assert plan_problems(load_config(None, ["hardware.launcher=ray", "hardware.gpus_per_node=8"]), gpu_plan) == []
 

@@ -16,7 +16,7 @@ from finetune_flows.models.quantize import bnb_config, quantize_fingerprint
 from finetune_flows.training.sharding import check_storage, quant_storage, resolve_strategy, trainer_kwargs
 from test_gpus import gpu, report
 
-CPU_PLAN = Plan(device="cpu", gpu_ids=[], nproc=2, precision="fp32", compute_dtype="float32", train_attn="sdpa",
+CPU_PLAN = Plan(device="cpu", nproc=2, precision="fp32", compute_dtype="float32", train_attn="sdpa",
                 eval_attn="sdpa")
 QWEN8B = ["model.source=generated:qwen3-8b", "data.max_length=2048"]
 

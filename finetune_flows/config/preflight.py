@@ -23,7 +23,7 @@ from pathlib import Path
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import normalize, read_rows, split
 from finetune_flows.errors import ConfigError, DataError, EnvironmentMismatch, UserInputError
-from finetune_flows.runtime.gpus import choose_gpu_ids, read_inventory
+from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
 from finetune_flows.models.sources import check_model_source
 from finetune_flows.runtime.policy import checked_config
 from finetune_flows.reporting.tracking import tracking_problems
@@ -33,14 +33,16 @@ FLASH_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash
                   "flash_attention_4": "flash-attn-4"}
 
 
-def preflight(config: str | Path | None, overrides: list[str] | None = None) -> FinetuneConfig:
+def preflight(config: str | Path | None, overrides: list[str] | None = None,
+              inventory: list[GpuInfo] | None = None) -> FinetuneConfig:
     """The validated config, or a UserInputError naming every problem found (the data's first). The worker
-    host's policy (finetune_flows/runtime/policy.py) is applied first, so a refused run reads and writes nothing."""
+    host's policy (finetune_flows/runtime/policy.py) is applied first, so a refused run reads and writes nothing.
+    `inventory`: the flow run's reading of the GPUs (read here where the caller has none)."""
     cfg = checked_config(config, overrides)
     check_model_source(cfg.model.source, cfg.model.trust_remote_code)
     check_data(cfg)
     check_directories(cfg)
-    problems = optimizer_problems(cfg) + machine_problems(cfg) + tracking_problems(cfg)
+    problems = optimizer_problems(cfg) + machine_problems(cfg, inventory) + tracking_problems(cfg)
     if problems:
         raise EnvironmentMismatch(problems, "config vs this machine")
     return cfg
@@ -135,12 +137,13 @@ def _installed(dist: str) -> bool:
         return False
 
 
-def machine_problems(cfg: FinetuneConfig) -> list[str]:
+def machine_problems(cfg: FinetuneConfig, inventory: list[GpuInfo] | None = None) -> list[str]:
     """GPU ids against NVML's inventory, and what the attention backend needs (the environment step, which loads
     torch, checks the rest)."""
     problems: list[str] = []
     try:
-        ids: list[int] | None = choose_gpu_ids(cfg.hardware.gpus, read_inventory())
+        reading = read_inventory() if inventory is None else inventory
+        ids: list[int] | None = choose_gpu_ids(cfg.hardware.gpus, reading)
     except ConfigError as exc:
         problems, ids = exc.problems, None
     for key, attn in cfg.attention_settings().items():

@@ -22,7 +22,7 @@ from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.export.merge import RECORD as EXPORT_RECORD
-from finetune_flows.config.plan import Plan
+from finetune_flows.config.plan import Plan, worker_config
 from finetune_flows.store.fingerprint import combine, hash_bytes_of, hash_tree, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.runtime.launcher import compile_caches, python_module, run_worker, write_job
@@ -161,9 +161,9 @@ def _producer(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, 
     out = entry.path / "eval.json"
 
     def produce() -> EvalReport:
-        job = write_job(entry.path, "evaluate", config=cfg.model_dump(mode="json"), plan=plan.model_dump(),
-                        base=str(base.path), base_model=base.model_dump(mode="json"), data=str(data.path),
-                        out=str(out), **model)
+        job = write_job(entry.path, "evaluate", config=worker_config(cfg, plan, gpus.ids, data.format),
+                        plan=plan.model_dump(mode="json"), base=str(base.path),
+                        base_model=base.model_dump(mode="json"), data=str(data.path), out=str(out), **model)
         with device_slots(gpus.ids):  # lock order: the entry's lock (held by the caller), then the device
             env = {**gpus.env, **compile_caches(cfg.cache_root, gpus)}
             run_worker("evaluate", python_module("finetune_flows.evaluation.worker", job), env, entry.path)

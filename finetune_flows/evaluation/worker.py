@@ -228,7 +228,7 @@ def _evaluate(job: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(job.get("adapter") or job["checkpoint"], trust_remote_code=remote)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    requested = choose_engine(cfg.eval.engine, plan.eval_attn)  # refuses before anything loads
+    requested = choose_engine(plan.eval_engine, plan.eval_attn)  # refuses before anything loads
 
     dataset = load_split(data_path, "eval")
     pairs = [json.loads(line) for line in (data_path / "eval_prompts.jsonl").read_text().splitlines()]
@@ -246,7 +246,7 @@ def _evaluate(job: dict) -> dict:
         except StopIteration:
             break
         devices = _devices(model, device)
-        engine = requested if requested == "generate" else choose_engine(cfg.eval.engine, plan.eval_attn,
+        engine = requested if requested == "generate" else choose_engine(plan.eval_engine, plan.eval_attn,
                                                                           len(devices))
         kernelized.update(apply_kernels(model, cfg.hardware.kernels)["kernelized"])
         batch_tokens = cfg.eval.batch_tokens or auto_batch_tokens(model, device)

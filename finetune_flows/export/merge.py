@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
-from finetune_flows.config.plan import Plan
+from finetune_flows.config.plan import Plan, worker_config
 from finetune_flows.errors import ConfigError, EnvironmentMismatch
 from finetune_flows.store.fingerprint import combine, hash_tree, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
@@ -212,9 +212,10 @@ def merge_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     out = entry.path
 
     def produce() -> MergedModel:
-        job = write_job(out.parent / f".{entry.key}.work", "export", config=cfg.model_dump(mode="json"),
-                        plan=plan.model_dump(), base=str(base.path), adapter=str(adapter), data=str(data.path),
-                        out=str(out), fingerprint=entry.key, required=required)
+        job = write_job(out.parent / f".{entry.key}.work", "export",
+                        config=worker_config(cfg, plan, gpus.ids, data.format), plan=plan.model_dump(mode="json"),
+                        base=str(base.path), adapter=str(adapter), data=str(data.path), out=str(out),
+                        fingerprint=entry.key, required=required)
         try:
             with device_slots(gpus.ids):  # lock order: the entry's lock (held by the caller), then the device
                 outcome = run_worker("export", python_module("finetune_flows.export.merge", job), gpus.env, job.parent)

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig, QuantizationConfig
-from finetune_flows.config.plan import Plan
+from finetune_flows.config.plan import Plan, worker_config
 from finetune_flows.store.fingerprint import combine, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.runtime.launcher import python_module, run_worker, write_job
@@ -119,7 +119,7 @@ def quantize_base_model(cfg: FinetuneConfig, plan: Plan, gpus: GpuSelection, run
     entry = Entry(cfg.cache_root, "quantized", fingerprint)
 
     def produce() -> QuantizedModel:
-        job = write_job(run_dir / "work", "quantize", config=cfg.model_dump(mode="json"), out=str(entry.path),
+        job = write_job(run_dir / "work", "quantize", config=worker_config(cfg, plan, gpus.ids), out=str(entry.path),
                         compute_dtype=plan.compute_dtype, fingerprint=fingerprint,
                         quant_storage=quant_storage(plan.strategy, plan.compute_dtype))
         with device_slots(gpus.ids):  # lock order: the entry's lock (held by the caller), then the device

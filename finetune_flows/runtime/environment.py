@@ -1,9 +1,9 @@
 """Step 1: verify the environment and check the run configuration against it.
 
-The probe runs in a child process (so the orchestrator never initialises CUDA) and reports torch/CUDA, the GPUs,
-the versions of the whole stack, which attention backends can run, and whether the Hub is reachable. Then
-`resolve_plan` turns the config's `auto` choices into concrete ones, or lists every requirement this machine
-cannot meet.
+The probe runs in a child process (so the orchestrator never initialises CUDA) and reports torch/CUDA, the GPUs
+(the flow run's one reading, handed to it), the versions of the whole stack, which attention backends can run, and
+whether the Hub is reachable. Then `resolve_plan` turns every `auto` of the config into the run's plan
+(finetune_flows/config/plan.py), or lists every requirement this machine cannot meet.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pydantic import BaseModel
 from finetune_flows.models.backends import (
     BackendTiming, attention_shape, installed, measured_timings, resolve_attention,
 )
-from finetune_flows.config.plan import Plan, compile_setting, liger_setting, upcast_setting
+from finetune_flows.config.plan import Plan, training_settings
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.errors import EnvironmentMismatch, WorkerFailed
-from finetune_flows.evaluation.generation import continuous_supports
+from finetune_flows.evaluation.generation import choose_engine, continuous_supports
 from finetune_flows.models.kernels import check_kernels
 from finetune_flows.runtime.gpus import GpuInfo, GpuSelection, read_inventory, selection_for
 from finetune_flows.runtime.launcher import python_module, run_worker, write_job
@@ -85,13 +85,12 @@ def _cpu_bf16() -> bool:
     return any(getattr(torch.cpu, f"_is_{feature}_supported", lambda: False)() for feature in ("avx512_bf16", "amx_tile"))
 
 
-def probe(kernels: dict[str, str] | None = None) -> EnvironmentReport:
+def probe(gpus: list[GpuInfo], kernels: dict[str, str] | None = None) -> EnvironmentReport:
     """Inspect this process's view of the machine (call it in a child with the environment to check), and
-    whether the configured layer kernels load."""
+    whether the configured layer kernels load. `gpus` is the run's one reading of the inventory."""
     import torch
 
     versions = {d: _version(d) for d in STACK}
-    gpus = read_inventory()
     driver = _driver_version() if gpus else None
     cuda = torch.cuda.is_available()
     try:
@@ -184,16 +183,17 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
     if problems:
         raise EnvironmentMismatch(problems, "config vs environment")
     nproc = len(selection.ids) if on_gpu else cfg.hardware.cpu_processes
-    plan = Plan(device=selection.device_type, gpu_ids=selection.ids, nproc=nproc, precision=p,
-                compute_dtype=compute, train_attn=train_attn, eval_attn=eval_attn, eval_dtype=eval_dtype,
+    plan = Plan(device=selection.device_type, nproc=nproc, precision=p, compute_dtype=compute, train_attn=train_attn,
+                eval_attn=eval_attn, eval_dtype=eval_dtype, eval_engine=choose_engine(cfg.eval.engine, eval_attn),
                 attention_choice=why)
     strategy, choice = resolve_strategy(cfg, on_gpu=on_gpu, ranks=world_size(cfg, plan),
                                         free_mib=selection.planning_mib(),
                                         dtype_bytes=4 if compute == "float32" else 2)
-    plan = plan.model_copy(update={"strategy": strategy, "strategy_choice": choice})
+    plan = plan.model_copy(update={"strategy": strategy, "strategy_choice": choice,
+                                   **training_settings(cfg, plan.device, strategy)})
     if on_gpu and budget is not None and (short := budget_shortfall(cfg, plan)):
         raise EnvironmentMismatch([short], "config vs environment")
-    if cfg.hardware.attn_implementation == "auto" and cfg.train.packing and compile_setting(cfg, plan):
+    if cfg.hardware.attn_implementation == "auto" and cfg.train.packing and plan.compile != "off":
         # the strategy decides whether training compiles its layers, which limits packed training's kernels
         train_attn, _, why, _ = resolve_attention("auto", env.attention, gpus, p, env.hub_reachable, timings,
                                                   packed=True, compiled=True)
@@ -214,8 +214,8 @@ def budget_shortfall(cfg: FinetuneConfig, plan: Plan) -> str | None:
     shards = world_size(cfg, plan) if plan.strategy == "fsdp" else 1
     parts = memory_parts(ModelShape.from_config({"vocab_size": 32000, **config}), tokens, checkpointing=True,
                          four_bit=four_bit, lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
-                         fused_ce=liger_setting(cfg, plan), dtype_bytes=4 if plan.compute_dtype == "float32" else 2,
-                         upcast=upcast_setting(cfg), shards=shards)
+                         fused_ce=plan.liger, dtype_bytes=4 if plan.compute_dtype == "float32" else 2,
+                         upcast=plan.upcast_frozen, shards=shards)
     need = sum(parts.values())
     if need <= budget * GIB * CAP_FRACTION:
         return None
@@ -262,7 +262,8 @@ def report_markdown(env: EnvironmentReport, plan: Plan | None = None) -> str:
     lines += [f"| {k} | {v or 'not installed'} |" for k, v in env.versions.items()]
     if plan is not None:
         lines += ["", "## Resolved plan", "", "| choice | value |", "|---|---|"]
-        lines += [f"| {k} | {v} |" for k, v in plan.model_dump().items()]
+        # the memory planner's part comes with the training step (the training-plan artifact)
+        lines += [f"| {k} | {v} |" for k, v in plan.model_dump(exclude={"training"}).items()]
     return "\n".join(lines) + "\n"
 
 
@@ -307,11 +308,13 @@ def probe_dir(cache: Path | None) -> Path | None:
     return Path(shared).expanduser() if shared else cache / "environment-probes"
 
 
-def run_probe(workdir: Path, kernels: dict[str, str] | None = None, cache: Path | None = None) -> EnvironmentReport:
+def run_probe(workdir: Path, kernels: dict[str, str] | None = None, cache: Path | None = None,
+              gpus: list[GpuInfo] | None = None) -> EnvironmentReport:
     """The probe's report: from `cache` (probe_dir) when this interpreter, stack and machine were probed before (a
-    child that imports torch and bitsandbytes costs seconds per run), else from a new child. The GPUs' free memory
-    and the Hub's reachability are read fresh either way."""
-    gpus = read_inventory()
+    child that imports torch and bitsandbytes costs seconds per run), else from a new child. `gpus` is the run's
+    reading of the inventory (read here when None), in the report either way; the Hub's reachability is read
+    fresh."""
+    gpus = read_inventory() if gpus is None else gpus
     folder = probe_dir(cache)
     path = folder / f"{probe_key(kernels, gpus)}.json" if folder is not None else None
     if path is not None and path.is_file():
@@ -323,7 +326,7 @@ def run_probe(workdir: Path, kernels: dict[str, str] | None = None, cache: Path 
             run_logger().info("environment: reusing the probe in %s (same interpreter, stack versions and GPUs)",
                               path)
             return report.model_copy(update={"gpus": gpus, "hub_reachable": _hub_reachable()})
-    job = write_job(workdir, "environment", kernels=kernels or {})
+    job = write_job(workdir, "environment", kernels=kernels or {}, gpus=[g.model_dump(mode="json") for g in gpus])
     # CUDA_DEVICE_ORDER makes torch's numbering match nvidia-smi's, as for every worker.
     result = run_worker("environment", python_module("finetune_flows.runtime.environment", job),
                         {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, workdir)
@@ -349,13 +352,15 @@ def measured_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSel
     return (resolve_plan(cfg, env, selection, timings), timings) if timings else (plan, None)
 
 
-def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentReport, Plan]:
-    """Probe the machine, publish the report, and check the config against it (all problems at once)."""
-    env = run_probe(run_dir / "work", cfg.hardware.kernels, cfg.cache_root)
+def verify_environment(cfg: FinetuneConfig, run_dir: Path,
+                       inventory: list[GpuInfo] | None = None) -> tuple[EnvironmentReport, Plan]:
+    """Probe the machine, publish the report, and check the config against it (all problems at once).
+    `inventory`: the flow run's one reading of the GPUs (read here where the caller has none)."""
+    env = run_probe(run_dir / "work", cfg.hardware.kernels, cfg.cache_root, inventory)
     for layer, status in env.kernels.items():
         if not status.startswith("loads"):
             run_logger().warning("hardware.kernels %s: %s", layer, status)
-    # the one reading of the GPUs: select_gpus computes the workers' selection from this same inventory
+    # the run's one reading of the GPUs: select_gpus computes the workers' selection from this same inventory
     selection = selection_for(cfg.hardware.gpus, env.gpus)  # names a missing or unusable GPU
     plan, timings = measured_plan(cfg, env, selection, run_dir / "work")
     if timings:
@@ -370,9 +375,10 @@ def verify_environment(cfg: FinetuneConfig, run_dir: Path) -> tuple[EnvironmentR
     from prefect.artifacts import create_markdown_artifact  # here: the probe worker imports this module
 
     create_markdown_artifact(md, key="environment-report", description="Machine, stack and resolved plan")
-    run_logger().info("plan: %s", plan.model_dump())
+    run_logger().info("plan: %s", plan.model_dump(exclude={"training"}))
     return env, plan
 
 
 if __name__ == "__main__":
-    worker_main(lambda job: probe(job.get("kernels")).model_dump(mode="json"))
+    worker_main(lambda job: probe([GpuInfo.model_validate(g) for g in job["gpus"]], job.get("kernels")).model_dump(
+        mode="json"))

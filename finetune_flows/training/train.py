@@ -19,7 +19,7 @@ from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.training.distributed import fingerprint_parts, train_command, world_size
-from finetune_flows.config.plan import Plan, compile_setting, dequantize_setting, liger_setting, upcast_setting
+from finetune_flows.config.plan import Plan, worker_config
 from finetune_flows.errors import UserInputError
 from finetune_flows.store.fingerprint import combine, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
@@ -116,10 +116,10 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             mean_row=sum(lengths) / len(lengths), rows_per_step=t.per_device_batch_size * t.gradient_accumulation_steps,
             packing=t.packing, micro_batch_tokens=t.micro_batch_tokens, checkpointing=t.gradient_checkpointing,
             four_bit=base.load_in_4bit, lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
-            fused_ce=liger_setting(cfg, plan), dtype_bytes=2 if plan.compute_dtype != "float32" else 4,
-            upcast=upcast_setting(cfg), per_device_rows=t.per_device_batch_size,
-            accumulation=t.gradient_accumulation_steps, dequantize=dequantize_setting(cfg, plan),
-            compile_layers=compile_setting(cfg, plan), compile_deferred=cfg.train.compile == "auto",
+            fused_ce=plan.liger, dtype_bytes=2 if plan.compute_dtype != "float32" else 4,
+            upcast=plan.upcast_frozen, per_device_rows=t.per_device_batch_size,
+            accumulation=t.gradient_accumulation_steps, dequantize=plan.dequantize_base,
+            compile_layers=plan.compile != "off", compile_deferred=plan.compile == "deferred",
             shards=world_size(cfg, plan) if plan.strategy == "fsdp" else 1, budget_gib=budget)
     except ValueError as exc:
         raise UserInputError(f"training plan{f' (within {share})' if share else ''}: {exc}") from None
@@ -137,6 +137,15 @@ def publish_training_plan(tplan: TrainingPlan) -> None:
         run_logger().debug("training plan artifact not created: %s", exc)
 
 
+def write_train_job(out: Path, cfg: FinetuneConfig, plan: Plan, base: QuantizedModel, data: PreparedDataset,
+                    gpu_ids: list[int], fingerprint: str, **extra: Any) -> Path:
+    """The training worker's job file: the plan (with the memory planner's choice in `plan.training`) and the
+    config with every `auto` resolved (finetune_flows/config/plan.py)."""
+    return write_job(out, "train", config=worker_config(cfg, plan, gpu_ids, data.format),
+                     plan=plan.model_dump(mode="json"), out=str(out), base=str(base.path), data=str(data.path),
+                     load_in_4bit=base.load_in_4bit, fingerprint=fingerprint, **extra)
+
+
 # What an unfinished attempt leaves for the next one: the checkpoints it resumes from (torchrun's, and Ray Train's
 # run storage under ray/), the log, and the whole-run accounting (finetune_flows/training/attempts.py).
 RESUMABLE = ("checkpoints", "ray", "train.log", "attempts.json", "adapt.json")
@@ -149,6 +158,7 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     entry = Entry(cfg.cache_root, "adapters", train_fingerprint(cfg, data, base, plan))
     out = entry.path
     tplan = training_plan(cfg, data, base, plan, gpus)
+    plan = plan.with_training(tplan)
     if plan.strategy_choice:
         tplan.reasons.insert(0, plan.strategy_choice)
         if cfg.hardware.strategy == "fsdp" and plan.strategy == "ddp":
@@ -163,11 +173,8 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
         return int(resume.name.split("-")[-1]) if resume else None
 
     def attempt(split: int, observe) -> None:
-        job = write_job(out, "train", config=cfg.model_dump(mode="json"), plan=plan.model_dump(), out=str(out),
-                        base=str(base.path), data=str(data.path), load_in_4bit=base.load_in_4bit,
-                        fingerprint=entry.key, training_plan=tplan.model_dump(), liger=liger_setting(cfg, plan),
-                        upcast_frozen=upcast_setting(cfg), micro_batch_split=split,
-                        compile_record=str(compile_root(cfg.cache_root, gpus) / COMPILE_RECORD))
+        job = write_train_job(out, cfg, plan, base, data, gpus.ids, entry.key, micro_batch_split=split,
+                              compile_record=str(compile_root(cfg.cache_root, gpus) / COMPILE_RECORD))
         with ProgressReporter(cfg.train.max_steps) as progress:
             run_worker("train", train_command(cfg, plan, job, entry.key),
                        training_env({**gpus.env, **compile_caches(cfg.cache_root, gpus)}), out,

@@ -28,13 +28,13 @@ from finetune_flows.config.plan import Plan
 from finetune_flows.training.checkpoints import last_checkpoint, write_checkpoint_manifest
 from finetune_flows.runtime.lifecycle import emit_event, worker_main
 from finetune_flows.runtime.lifecycle import training_callback
-from finetune_flows.training.planner import TrainingPlan
 from finetune_flows.models.quantize import torch_dtype
 from finetune_flows.training import sharding
 from finetune_flows.models.dequantize import dequantize_model
 from finetune_flows.models.attention import packed_kernel_for, use_packed_attention
 from finetune_flows.data.packing import PackedCollator, PackedDataset, TokenTally, build_schedule
 from finetune_flows.runtime.gpus import cap_process_memory
+from finetune_flows.training.planner import TrainingPlan
 from finetune_flows.training.profiling import profiler_callback
 
 
@@ -228,7 +228,9 @@ def _train(job: dict) -> dict | None:
 
     cfg = FinetuneConfig.model_validate(job["config"])
     plan = Plan.model_validate(job["plan"])
-    tplan = TrainingPlan.model_validate(job["training_plan"])
+    tplan = plan.training
+    if tplan is None:
+        raise ValueError("the training job's plan has no training plan (the memory planner's choice)")
     split = int(job.get("micro_batch_split", 1))
     t = cfg.train
     out = Path(job["out"])
@@ -238,10 +240,10 @@ def _train(job: dict) -> dict | None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     on_gpu = use_device(plan, cfg.hardware.memory_budget_gib, local_rank)
     set_seed(t.seed)  # before the adapter's random init: a run is reproducible from its config
-    upcast = job.get("upcast_frozen", True)
+    upcast = plan.upcast_frozen
     model = build_model(cfg, plan, tplan, base_path, job["load_in_4bit"],
                         {"": local_rank} if on_gpu else {"": "cpu"}, upcast)
-    use_liger = bool(job.get("liger")) and on_gpu
+    use_liger = plan.liger and on_gpu
 
     tokenizer = AutoTokenizer.from_pretrained(base_path, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
