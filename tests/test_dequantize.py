@@ -95,12 +95,14 @@ def test_copy_is_made_once_and_reused(base, tmp_path):
     assert dequantized_copy(plain, tmp_path) == base.path
 
 
-# A writer of the copy in a process of its own. "slow": signals once it holds the entry, then dequantizes 3 s late;
-# "die": signals once the weights are written (the tokenizer not yet) and hangs there, to be killed.
+# A writer of the copy in a process of its own; it prints "ready" just before asking for the copy. "slow": signals
+# (`flag`) once it is making the copy, then waits for `flag`.go to go on; "die": signals once the weights are written
+# (the tokenizer not yet) and hangs there, to be killed.
 WRITER = r"""
 import sys, time
 from pathlib import Path
-import transformers
+import torch, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer  # imported before "ready": the copy is asked for at once
 from finetune_flows.models import dequantize
 from finetune_flows.models.quantize import QuantizedModel
 
@@ -109,7 +111,9 @@ if mode == "slow":
     real = dequantize.dequantize_model
     def slow(model, **kw):
         flag.touch()
-        time.sleep(3)
+        go = flag.with_name(flag.name + ".go")
+        while not go.exists():
+            time.sleep(0.1)
         return real(model, **kw)
     dequantize.dequantize_model = slow
 elif mode == "die":
@@ -119,6 +123,7 @@ elif mode == "die":
         flag.touch()
         time.sleep(600)
     transformers.PreTrainedModel.save_pretrained = save_then_hang
+print("ready", flush=True)
 print("copy:", dequantize.dequantized_copy(base, cache), flush=True)
 """
 
@@ -146,13 +151,19 @@ def test_two_concurrent_writers_make_one_copy_and_no_torn_files(fp32_base, tmp_p
     """Two evaluations needing the same copy at once (real processes): the second waits for the first's lock, then
     reuses what it made; one dequantization, one entry, every file in its manifest, nothing half-written beside it."""
     first = _writer(fp32_base, tmp_path, "slow", tmp_path / "holding")
+    second = None
     try:
-        _wait_for(tmp_path / "holding", first)  # the first holds the entry and is still dequantizing
+        _wait_for(tmp_path / "holding", first)  # the first is making the copy, and waits
         second = _writer(fp32_base, tmp_path, "plain", tmp_path / "unused")
+        assert second.stdout.readline() == "ready\n"
+        time.sleep(2)  # the second asks for the copy while the first is still making it
+        (tmp_path / "holding.go").touch()
         out_second, _ = second.communicate(timeout=300)
         out_first, _ = first.communicate(timeout=300)
     finally:
-        first.kill()
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
     assert (first.returncode, second.returncode) == (0, 0), out_first[-2000:] + out_second[-2000:]
     made = [line for line in (out_first + out_second).splitlines() if line.startswith("dequantized 14 Linear4bit")]
     assert len(made) == 1 and made[0] in out_first  # the second made nothing
