@@ -11,8 +11,8 @@ So under `auto` the layers start eager. After MEASURE_STEPS steps (an attempt's 
 eager step time `t` and the optimizer steps left `n` give what compiling would save, n * t * (1 - 1/SPEEDUP), and
 it is weighed against what compiling costs: the compilation last measured for this layer on this GPU model and
 torch version (a record in the store: `<cache>/compile-costs/<GPU model>--<layer>/`), or DEFAULT_COST_S before any
-was. Rank 0 decides for every rank. A run that compiles measures its compilation (its first compiled step's time less `t`)
-and records it for the next one. `train.compile=true` compiles before the first step; `false` never.
+was. Rank 0 decides for every rank. A run that compiles measures its compilation (its first compiled step's time
+less `t`) and records it for the next one. `train.compile=true` compiles before the first step; `false` never.
 """
 
 from __future__ import annotations
