@@ -22,8 +22,8 @@ os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
 # home); the store's per-entry locks make concurrent use safe, as for concurrent runs.
 os.environ.setdefault("FINETUNE_FLOWS_TEST_CACHE", str(_SESSION_TMP / "cache"))
 # The machine probe (a child importing torch and bitsandbytes, ~8 s of CPU) once per session, not once per test cache:
-# every CLI, deployment and in-process run of the session reads it from here (finetune_flows.runtime.environment.probe_dir).
-os.environ.setdefault("FINETUNE_FLOWS_PROBE_DIR", str(Path(os.environ["FINETUNE_FLOWS_TEST_CACHE"]) / "environment-probes"))
+# every CLI, deployment and in-process run of the session reads it from this store (environment.probe_dir).
+os.environ.setdefault("FINETUNE_FLOWS_PROBE_DIR", os.environ["FINETUNE_FLOWS_TEST_CACHE"])
 
 REPO = Path(__file__).resolve().parent.parent
 

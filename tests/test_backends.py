@@ -8,12 +8,13 @@ import json
 import pytest
 
 from finetune_flows.models.backends import (
-    BackendTiming, candidates, measured_timings, probe_key, resolve_attention, usable,
+    AttentionProbe, BackendTiming, candidates, measured_timings, probe_key, resolve_attention, usable,
 )
 from finetune_flows.config.schema import load_config
 from finetune_flows.runtime.environment import resolve_plan
 from finetune_flows.errors import ConfigError, EnvironmentMismatch
 from finetune_flows.runtime.gpus import selection_for
+from finetune_flows.store.entries import Entry, reuse_or_record
 from test_gpus import gpu, report
 
 H100 = gpu(0, 80000, name="NVIDIA H100", cc=(9, 0))
@@ -182,18 +183,27 @@ def test_eval_attn_implementation_decides_the_evaluation_backend_alone():
         load_config(None, ["eval.attn_implementation=flash"])
 
 
-def test_probe_results_are_cached_per_gpu_model_and_versions(tmp_path):
+def test_probe_results_are_store_entries_per_gpu_model_and_versions(tmp_path, monkeypatch):
     cfg = load_config(None, ["model.source=generated:qwen3-0.6b", f"run.cache_dir={tmp_path}", "hardware.gpus=0"])
     sel = selection_for("0", [H100])
     versions = {"torch": "2.11", "flash-attn-4": "4.0.0b36"}
     shape = {"heads": 16, "kv_heads": 8, "head_dim": 128}
-    cached = tmp_path / "attention-probes" / f"{probe_key('NVIDIA H100', (9, 0), versions, shape, 'bfloat16')}.json"
-    cached.parent.mkdir(parents=True)
-    cached.write_text(json.dumps([timing("sdpa", 2.0, 6.0).model_dump(), timing("flash_attention_4", 1.0, 5.0)
-                                  .model_dump()]))
+    cached = Entry(tmp_path, "attention-probes", probe_key('NVIDIA H100', (9, 0), versions, shape, 'bfloat16'))
+    probe = AttentionProbe(timings=[timing("sdpa", 2.0, 6.0), timing("flash_attention_4", 1.0, 5.0)])
+    assert reuse_or_record([cached], AttentionProbe, lambda missing: [probe]) == [(probe, False)]
+    assert json.loads(cached.manifest_path.read_text())["kind"] == "attention-probes"  # a store entry
     got = measured_timings(cfg, INSTALLED, versions, sel, "bf16", "bfloat16", tmp_path / "work")
     assert [t.backend for t in got] == ["sdpa", "flash_attention_4"]  # read back, no worker launched
     assert not (tmp_path / "work").exists()
+    # a torn manifest is no probe: measured again (the GPU worker stands in for one, as no GPU is here)
+    cached.manifest_path.write_text('{"format": 1, "files": {}, "res')
+    asked = []
+    monkeypatch.setattr("finetune_flows.models.backends.run_worker", lambda step, cmd, env, workdir: asked.append(
+        json.loads((workdir / "attention-probe.job.json").read_text())["devices"]) or {cached.key: [
+            timing("sdpa", 3.0, 7.0).model_dump()]})
+    got = measured_timings(cfg, INSTALLED, versions, sel, "bf16", "bfloat16", tmp_path / "work")
+    assert asked == [{cached.key: 0}] and [(t.backend, t.eval_ms) for t in got] == [("sdpa", 3.0)]
+    assert cached.load(AttentionProbe).timings == got  # the new measurement, verified
     assert measured_timings(cfg, INSTALLED, versions, selection_for("cpu", []), "fp32", "float32",
                             tmp_path / "work") is None
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from finetune_flows.store.entries import Entry
 from finetune_flows.training import compiling
 from finetune_flows.models.attention import use_packed_attention
 from finetune_flows.training.distributed import gather
@@ -32,19 +33,23 @@ def test_a_run_compiles_only_when_the_steps_left_repay_the_compilation():
     assert not compiling.decide([0.32] * 5, 200, 25.0)[0]
 
 
-def test_the_measured_compilation_is_recorded_atomically_per_layer_and_torch_version(tmp_path):
-    record = tmp_path / "compile" / "NVIDIA-H200-sm90" / compiling.RECORD
-    assert compiling.recorded_cost(record, "qwen3-1024-torch2.11") is None  # nothing measured yet
-    assert compiling.recorded_cost(None, "qwen3-1024-torch2.11") is None  # no cache folder given
-    compiling.record_cost(record, "qwen3-1024-torch2.11", 55.47)
-    compiling.record_cost(record, "llama-4096-torch2.11", 80.0)
-    assert compiling.recorded_cost(record, "qwen3-1024-torch2.11") == 55.5
-    assert json.loads(record.read_text()) == {"llama-4096-torch2.11": 80.0, "qwen3-1024-torch2.11": 55.5}
-    assert [p.name for p in record.parent.iterdir()] == [compiling.RECORD]  # no temporary file left behind
-    record.write_text('{"qwen3-1024-torch2.11": ')  # a torn file from elsewhere is no measurement
-    assert compiling.recorded_cost(record, "qwen3-1024-torch2.11") is None
-    compiling.record_cost(record, "qwen3-1024-torch2.11", 12.0)
-    assert json.loads(record.read_text()) == {"qwen3-1024-torch2.11": 12.0}
+def test_the_measured_compilation_is_a_store_record_per_gpu_model_layer_and_torch_version(tmp_path):
+    record = compiling.cost_entry(tmp_path, "NVIDIA-H200-sm90", "qwen3-1024-torch2.11.0+cu130")
+    assert record.path == tmp_path / compiling.COSTS / "NVIDIA-H200-sm90--qwen3-1024-torch2.11.0+cu130"
+    assert compiling.recorded_cost(record) is None  # nothing measured yet
+    assert compiling.recorded_cost(None) is None  # no cache given
+    compiling.record_cost(record, 55.47)
+    other = compiling.cost_entry(tmp_path, "NVIDIA-H200-sm90", "llama-4096-torch2.11.0+cu130")
+    compiling.record_cost(other, 80.0)
+    assert (compiling.recorded_cost(record), compiling.recorded_cost(other)) == (55.5, 80.0)
+    manifest = json.loads(record.manifest_path.read_text())  # a record: its manifest holds it whole
+    assert (manifest["kind"], manifest["files"], manifest["result"]) == (compiling.COSTS, {}, {"seconds": 55.5})
+    assert [p.name for p in record.path.iterdir()] == ["manifest.json"]  # no temporary file left behind
+    record.manifest_path.write_text('{"format": 1, "files": {}, "result": {"seco')  # torn: no measurement
+    assert compiling.recorded_cost(record) is None
+    compiling.record_cost(record, 12.0)
+    compiling.record_cost(record, 14.0)  # the last measurement wins
+    assert compiling.recorded_cost(record) == 14.0 and record.problem() is None
 
 
 def train_tiny(tmp_path, steps: int, recorded: float | None):
@@ -57,10 +62,9 @@ def train_tiny(tmp_path, steps: int, recorded: float | None):
                                                            target_modules="all-linear", task_type="CAUSAL_LM"))
     model.config.use_cache = False
     use_packed_attention(model, "rows")
-    record = tmp_path / compiling.RECORD
-    key = compiling.layer_key(model.config)
+    record = compiling.cost_entry(tmp_path / "cache", "cpu", compiling.layer_key(model.config))
     if recorded is not None:
-        compiling.record_cost(record, key, recorded)
+        compiling.record_cost(record, recorded)
     packs = [random_rows([5 + i % 7, 17, 9 + i % 3], seed=i) for i in range(steps)]
     collator = PackedCollator(0)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=1, max_steps=steps,
@@ -102,33 +106,37 @@ def test_auto_compiles_the_layers_mid_run_only_when_it_pays_and_records_what_it_
         assert callback.summary()["compiled_at_step"] == decided_at
         cost = callback.summary()["compile_seconds"]
         assert cost is not None and cost >= 0 and lines[1].startswith("decoder layers compiled in ")
-        assert compiling.recorded_cost(record, compiling.layer_key(model.config)) == round(cost, 1)
+        assert compiling.recorded_cost(record) == round(cost, 1)
         assert excluded == [decided_at + 1]  # the step that compiled is not steady state
     else:
         assert lines == [lines[0]] and lines[0].endswith(": the layers stay eager")
         assert callback.summary() == {"compiled_at_step": None, "compile_seconds": None}
-        assert compiling.recorded_cost(record, compiling.layer_key(model.config)) == 1e6  # nothing new measured
+        assert compiling.recorded_cost(record) == 1e6  # nothing new measured
         assert excluded == []
     assert [step for step, *_ in clock.steps] == list(range(1, steps + 1))
     assert steady_state(clock.steps, 1.0, 2)["steps"] == steps - 2 - len(excluded)
 
 
-def _record_many(record: str, prefix: str) -> None:
-    for i in range(40):
-        compiling.record_cost(Path(record), f"{prefix}-{i}", float(i))
+def _record_many(cache: str, run: int) -> None:
+    for i in range(20):
+        compiling.record_cost(compiling.cost_entry(Path(cache), "cpu", f"run{run}-{i}"), float(i))
+        compiling.record_cost(compiling.cost_entry(Path(cache), "cpu", "shared"), float(100 * run + i))
 
 
 def test_runs_recording_at_once_keep_each_others_measurements(tmp_path):
-    """Runs on one cache record compile times at the same time: each write is a read-modify-write of one file, so
-    without one writer at a time a run's key can vanish under another's rename."""
+    """Runs on one cache record compile times at the same time (real processes): every record survives whole, and
+    one key written by all of them at once holds one writer's whole measurement."""
     import multiprocessing
 
-    record = tmp_path / compiling.RECORD
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_record_many, args=(str(record), f"run{n}")) for n in range(3)]
+    procs = [ctx.Process(target=_record_many, args=(str(tmp_path), n)) for n in range(3)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(60)
+        p.join(120)
     assert [p.exitcode for p in procs] == [0, 0, 0]
-    assert len(json.loads(record.read_text())) == 3 * 40
+    entries = sorted((tmp_path / compiling.COSTS).iterdir())
+    assert len(entries) == 3 * 20 + 1
+    assert all(Entry(tmp_path, compiling.COSTS, e.name).problem() is None for e in entries)
+    assert compiling.recorded_cost(compiling.cost_entry(tmp_path, "cpu", "shared")) in {
+        float(100 * run + i) for run in range(3) for i in range(20)}

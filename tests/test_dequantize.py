@@ -1,11 +1,21 @@
-"""The evaluation copy (finetune_flows/models/dequantize.py) holds exactly the weights the 4-bit model computes with."""
+"""The evaluation copy (finetune_flows/models/dequantize.py) holds exactly the weights the 4-bit model computes with,
+and is a store entry: one writer, a manifest that marks it complete, never a torn copy loaded."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
+from conftest import REPO
 from eval_support import tiny_quantized
-from finetune_flows.models.dequantize import RECORD, dequantize_linear4bit, dequantized_copy
+from finetune_flows.models.dequantize import DequantizedCopy, dequantize_linear4bit, dequantized_copy
+from finetune_flows.store.entries import MANIFEST, Entry
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -71,11 +81,123 @@ def test_copy_computes_what_the_4bit_model_computes(base, tmp_path):
 
 def test_copy_is_made_once_and_reused(base, tmp_path):
     first = dequantized_copy(base, tmp_path)
-    record = (first / RECORD).stat().st_mtime_ns
-    assert dequantized_copy(base, tmp_path) == first and (first / RECORD).stat().st_mtime_ns == record
+    made = (first / MANIFEST).stat().st_mtime_ns
+    assert dequantized_copy(base, tmp_path) == first and (first / MANIFEST).stat().st_mtime_ns == made
     assert first.parent == tmp_path / "dequantized" and not [p for p in first.parent.iterdir() if p.name[0] == "."]
+    # the key says what the copy was made from; the manifest too, and it lists every file the copy holds
+    assert first.name.startswith(f"{base.fingerprint}-{base.compute_dtype}-cpu-")
+    manifest = json.loads((first / MANIFEST).read_text())
+    record = DequantizedCopy.model_validate(manifest["result"])
+    assert (record.base_fingerprint, record.dtype, record.device, record.linear_layers) == (
+        base.fingerprint, base.compute_dtype, "cpu", 14)
+    assert set(manifest["files"]) == {str(p.relative_to(first)) for p in first.rglob("*") if p.name != MANIFEST}
     plain = base.model_copy(update={"load_in_4bit": False})
     assert dequantized_copy(plain, tmp_path) == base.path
+
+
+# A writer of the copy in a process of its own; it prints "ready" just before asking for the copy. "slow": signals
+# (`flag`) once it is making the copy, then waits for `flag`.go to go on; "die": signals once the weights are written
+# (the tokenizer not yet) and hangs there, to be killed.
+WRITER = r"""
+import sys, time
+from pathlib import Path
+import torch, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer  # imported before "ready": the copy is asked for at once
+from finetune_flows.models import dequantize
+from finetune_flows.models.quantize import QuantizedModel
+
+base, cache, mode, flag = QuantizedModel.model_validate_json(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4])
+if mode == "slow":
+    real = dequantize.dequantize_model
+    def slow(model, **kw):
+        flag.touch()
+        go = flag.with_name(flag.name + ".go")
+        while not go.exists():
+            time.sleep(0.1)
+        return real(model, **kw)
+    dequantize.dequantize_model = slow
+elif mode == "die":
+    real_save = transformers.PreTrainedModel.save_pretrained
+    def save_then_hang(self, *args, **kw):
+        real_save(self, *args, **kw)
+        flag.touch()
+        time.sleep(600)
+    transformers.PreTrainedModel.save_pretrained = save_then_hang
+print("ready", flush=True)
+print("copy:", dequantize.dequantized_copy(base, cache), flush=True)
+"""
+
+
+def _writer(base, cache, mode: str, flag) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-c", WRITER, base.model_dump_json(), str(cache), mode, str(flag)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(flag, proc) -> None:
+    deadline = time.monotonic() + 180
+    while not flag.exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the writer never got there"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def fp32_base(shared_cache):
+    return tiny_quantized(shared_cache / "dequantize", "float32")
+
+
+def test_two_concurrent_writers_make_one_copy_and_no_torn_files(fp32_base, tmp_path):
+    """Two evaluations needing the same copy at once (real processes): the second waits for the first's lock, then
+    reuses what it made; one dequantization, one entry, every file in its manifest, nothing half-written beside it."""
+    first = _writer(fp32_base, tmp_path, "slow", tmp_path / "holding")
+    second = None
+    try:
+        _wait_for(tmp_path / "holding", first)  # the first is making the copy, and waits
+        second = _writer(fp32_base, tmp_path, "plain", tmp_path / "unused")
+        assert second.stdout.readline() == "ready\n"
+        time.sleep(2)  # the second asks for the copy while the first is still making it
+        (tmp_path / "holding.go").touch()
+        out_second, _ = second.communicate(timeout=300)
+        out_first, _ = first.communicate(timeout=300)
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+    assert (first.returncode, second.returncode) == (0, 0), out_first[-2000:] + out_second[-2000:]
+    made = [line for line in (out_first + out_second).splitlines() if line.startswith("dequantized 14 Linear4bit")]
+    assert len(made) == 1 and made[0] in out_first  # the second made nothing
+    paths = {line for line in (out_first + out_second).splitlines() if line.startswith("copy: ")}
+    (path,) = [line[len("copy: "):] for line in paths]
+    (entry_dir,) = (tmp_path / "dequantized").iterdir()
+    assert str(entry_dir) == path
+    entry = Entry(tmp_path, "dequantized", entry_dir.name)
+    assert entry.problem() is None
+    files = json.loads(entry.manifest_path.read_text())["files"]
+    assert set(files) == {str(p.relative_to(entry_dir)) for p in entry_dir.rglob("*") if p.name != MANIFEST}
+    assert "model.safetensors" in files and "tokenizer_config.json" in files
+
+
+def test_a_copy_whose_writer_was_killed_or_whose_files_were_damaged_is_made_again(fp32_base, tmp_path, capfd):
+    writer = _writer(fp32_base, tmp_path, "die", tmp_path / "saved")
+    try:
+        _wait_for(tmp_path / "saved", writer)  # the weights are on disk, the tokenizer and manifest are not
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.communicate(timeout=60)
+    (entry_dir,) = (tmp_path / "dequantized").iterdir()
+    assert (entry_dir / "model.safetensors").is_file() and not (entry_dir / MANIFEST).exists()
+    capfd.readouterr()
+
+    assert dequantized_copy(fp32_base, tmp_path) == entry_dir  # not reused: made again, under the lock
+    assert "dequantized 14 Linear4bit layers" in capfd.readouterr().out
+    entry = Entry(tmp_path, "dequantized", entry_dir.name)
+    assert entry.problem() is None and (entry_dir / "tokenizer_config.json").is_file()
+
+    with open(entry_dir / "model.safetensors", "r+b") as f:  # a complete copy damaged later: not trusted either
+        f.truncate(1000)
+    assert dequantized_copy(fp32_base, tmp_path) == entry_dir
+    assert "dequantized 14 Linear4bit layers" in capfd.readouterr().out and entry.problem() is None
 
 
 def test_training_on_the_dequantized_base_computes_the_qlora_loss_and_gradients(shared_cache):
@@ -146,7 +268,7 @@ def test_a_trusted_custom_code_checkpoint_gets_its_evaluation_copy_without_a_que
     base = QuantizedModel(path=checkpoint, fingerprint="custom", load_in_4bit=True, compute_dtype="float32",
                           memory_footprint_mb=0.0, linear4bit_layers=0, quantize_seconds=0.0)
     copy = dequantized_copy(base, tmp_path / "cache", "cpu", trust_remote_code=True)
-    assert (copy / RECORD).is_file() and (copy / "tokenizer_config.json").is_file()
+    assert (copy / MANIFEST).is_file() and (copy / "tokenizer_config.json").is_file()
     assert _parameter_count(checkpoint, trust_remote_code=True) > 0  # the merge step's size check
     out = capfd.readouterr()
     assert "Do you wish to run the custom code" not in out.out + out.err

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from finetune_flows.store.entries import MANIFEST, Entry, StoreError, reuse_or_produce, write_atomic
+from finetune_flows.store.entries import (
+    MANIFEST, Entry, StoreError, reuse_or_produce, reuse_or_record, rewrite_record, write_atomic,
+)
 
 
 class Result(BaseModel):
@@ -101,6 +103,36 @@ def test_a_new_attempt_keeps_only_what_it_resumes_from(tmp_path):
 
     reuse_or_produce(entry, Result, produce, outputs=["sub"], keep=("checkpoints",))
     assert seen["kept"] == ["checkpoints"]
+
+
+class Probe(BaseModel):
+    value: int
+
+
+def test_records_are_entries_whose_manifest_holds_them_and_only_the_missing_are_produced(tmp_path):
+    """Probes and measurements: one produce call for every missing record, each then committed with a manifest."""
+    cache = tmp_path / "cache"
+    a, b, c = (Entry(cache, "probes", key) for key in ("a", "b", "c"))
+    assert reuse_or_record([b], Probe, lambda missing: [Probe(value=2)]) == [(Probe(value=2), False)]
+    asked = []
+
+    def produce(missing):
+        asked.append([e.key for e in missing])
+        return [Probe(value=ord(e.key)) for e in missing]
+
+    got = reuse_or_record([a, b, c], Probe, produce)
+    assert asked == [["a", "c"]] and got == [(Probe(value=97), False), (Probe(value=2), True), (Probe(value=99), False)]
+    manifest = json.loads(a.manifest_path.read_text())
+    assert (manifest["kind"], manifest["key"], manifest["files"]) == ("probes", "a", {})
+    assert manifest["result"] == {"value": 97}
+    assert os.listdir(a.path) == [MANIFEST] and a.problem() is None
+    a.manifest_path.write_text(a.manifest_path.read_text()[:-20])  # torn: not reused
+    assert reuse_or_record([a, b], Probe, produce) == [(Probe(value=97), False), (Probe(value=2), True)]
+    rewrite_record(b, Probe(value=3))  # the last measurement wins
+    assert b.load(Probe) == Probe(value=3) and b.problem() is None
+    with pytest.raises(StoreError, match="produced no files"):  # a step that names outputs must still write some
+        (c.path / "empty").mkdir()
+        c.commit(Probe(value=1), ["empty"])
 
 
 # ---------------------------------------------------------------- one writer per entry (real processes)

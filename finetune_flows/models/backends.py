@@ -7,8 +7,8 @@
   probe on a one-layer model with the run's attention shape (heads, KV heads, head dim, dtype): an
   evaluation-like padded forward, a padded forward+backward, and a forward+backward over packed rows through the
   variable-length kernel that packed training calls for that backend (models/attention.py), on fresh packed
-  layouts, each checked against sdpa on the same inputs. Results are cached per GPU model and software versions
-  (`<cache>/attention-probes/`), so a host measures once.
+  layouts, each checked against sdpa on the same inputs. Results are store entries per GPU model and software
+  versions (`<cache>/attention-probes/<key>/`, store/entries.py), so a host measures once.
 - `resolve_attention()` turns `hardware.attn_implementation` into one backend for training and one for
   evaluation (`eval.attn_implementation`, where set, decides evaluation's alone): `auto` is the fastest correct
   backend for each purpose (for training, on the path it runs: packed or padded; packed through compiled layers,
@@ -26,6 +26,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from finetune_flows.config.schema import ATTENTION_BACKENDS, FinetuneConfig
+from finetune_flows.store.entries import Entry, reuse_or_record
 from finetune_flows.store.fingerprint import code_version
 from finetune_flows.runtime.gpus import GpuInfo, GpuSelection
 from finetune_flows.runtime.launcher import compile_caches, python_module, run_worker, write_job
@@ -200,10 +201,16 @@ def probe_key(gpu_name: str, capability: tuple[int, int], versions: dict, shape:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
+class AttentionProbe(BaseModel):
+    """The timings of one GPU model, as its store entry holds them."""
+
+    timings: list[BackendTiming]
+
+
 def measured_timings(cfg: FinetuneConfig, attention: dict[str, str], versions: dict, selection: GpuSelection,
                      precision: str, compute_dtype: str, workdir: Path) -> list[BackendTiming] | None:
-    """Timings of every usable backend on each distinct GPU model among the selected ones, from the cache or
-    measured now in a worker; None when there is nothing to choose between (CPU, or sdpa alone)."""
+    """Timings of every usable backend on each distinct GPU model among the selected ones, from the store or
+    measured now in one worker; None when there is nothing to choose between (CPU, or sdpa alone)."""
     names = candidates(attention, selection.gpus, precision)
     if not selection.gpus or names == ["sdpa"]:
         return None
@@ -211,25 +218,17 @@ def measured_timings(cfg: FinetuneConfig, attention: dict[str, str], versions: d
     kinds = {}  # (name, capability) -> first selected position of that kind (its cuda:N in the worker)
     for position, g in enumerate(selection.gpus):
         kinds.setdefault((g.name, tuple(g.capability)), position)
-    cache = cfg.cache_root / "attention-probes"
-    timings, missing = [], {}
-    for (name, cc), position in kinds.items():
-        path = cache / f"{probe_key(name, cc, versions, shape, compute_dtype)}.json"
-        if path.is_file():
-            timings += [BackendTiming.model_validate(t) for t in json.loads(path.read_text())]
-        else:
-            missing[str(path)] = position
-    if missing:
-        job = write_job(workdir, "attention-probe", names=names, shape=shape, dtype=compute_dtype, devices=missing)
+    position = {probe_key(name, cc, versions, shape, compute_dtype): at for (name, cc), at in kinds.items()}
+    entries = [Entry(cfg.cache_root, "attention-probes", key) for key in position]
+
+    def produce(missing: list[Entry]) -> list[AttentionProbe]:
+        job = write_job(workdir, "attention-probe", names=names, shape=shape, dtype=compute_dtype,
+                        devices={e.key: position[e.key] for e in missing})
         result = run_worker("attention-probe", python_module("finetune_flows.models.backends", job),
                             {**selection.env, **compile_caches(cfg.cache_root, selection)}, workdir)
-        for path, rows in result.items():
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(path).with_suffix(".tmp")
-            tmp.write_text(json.dumps(rows, indent=2))
-            tmp.replace(path)  # atomic: a reader sees the whole probe or none
-            timings += [BackendTiming.model_validate(t) for t in rows]
-    return timings
+        return [AttentionProbe(timings=result[e.key]) for e in missing]
+
+    return [t for probe, _ in reuse_or_record(entries, AttentionProbe, produce) for t in probe.timings]
 
 
 def _probe_model(backend: str, shape: dict, dtype, device):
@@ -369,8 +368,8 @@ def measure_on_device(device_index: int | str, names: list[str], shape: dict, dt
 
 
 def _probe_job(job: dict) -> dict:
-    return {path: [t.model_dump() for t in measure_on_device(position, job["names"], job["shape"], job["dtype"])]
-            for path, position in job["devices"].items()}
+    return {key: [t.model_dump() for t in measure_on_device(position, job["names"], job["shape"], job["dtype"])]
+            for key, position in job["devices"].items()}
 
 
 if __name__ == "__main__":

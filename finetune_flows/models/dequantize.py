@@ -16,8 +16,9 @@ in this pipeline that dtype is the compute dtype, so it yields the same weights,
 the two differ, and it leaves the bias dtype as stored. This module is the one place that makes the copy.
 
 API (small on purpose):
-- `dequantized_copy(base, cache_root, device)` -> directory of a plain transformers checkpoint (plus tokenizer
-  and `dequantized.json`), made once per (4-bit checkpoint, compute dtype, device type) and reused;
+- `dequantized_copy(base, cache_root, device)` -> directory of a plain transformers checkpoint (plus tokenizer),
+  a store entry (`<cache>/dequantized/<key>/`, finetune_flows/store/entries.py) made once per (4-bit checkpoint,
+  compute dtype, device type) under the entry's lock and reused once its manifest verifies;
 - `dequantize_model(model)` -> the same model object with every Linear4bit replaced by an nn.Linear in place;
 - `dequantize_linear4bit(module)` -> the weight matrix one Linear4bit computes with.
 """
@@ -26,15 +27,15 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
+import re
 import time
 from pathlib import Path
 
-from finetune_flows.store.fingerprint import code_version, combine
-from finetune_flows.models.quantize import QuantizedModel, torch_dtype
-from finetune_flows.store.runs import atomic_dir
+from pydantic import BaseModel
 
-RECORD = "dequantized.json"
+from finetune_flows.models.quantize import QuantizedModel, torch_dtype
+from finetune_flows.store.entries import Entry, reuse_or_produce
+from finetune_flows.store.fingerprint import code_version, combine
 
 
 def dequantize_linear4bit(module, dtype=None):
@@ -86,39 +87,57 @@ def dequantize_model(model, offload_to_cpu: bool = False) -> int:
     return replaced
 
 
-def copy_fingerprint(base: QuantizedModel, device_type: str) -> str:
-    return combine(base.fingerprint, base.compute_dtype, device_type, code_version("models/dequantize"))
+class DequantizedCopy(BaseModel):
+    """What an evaluation copy was made from, as its entry's manifest holds it."""
+
+    path: Path
+    source: str
+    base_fingerprint: str
+    dtype: str
+    device: str
+    linear_layers: int
+    seconds: float
+
+
+def copy_key(base: QuantizedModel, device_type: str) -> str:
+    """What the copy is made from, readable (the 4-bit entry's key, the dtype, the device type), then a hash of that
+    and this module's source."""
+    made_from = re.sub(r"[^A-Za-z0-9.-]+", "-", f"{base.fingerprint[:24]}-{base.compute_dtype}-{device_type}")
+    code = code_version("models/dequantize")
+    return f"{made_from}-{combine(base.fingerprint, base.compute_dtype, device_type, code)[:12]}"
 
 
 def dequantized_copy(base: QuantizedModel, cache_root: Path, device: str = "cpu",
                      trust_remote_code: bool = False) -> Path:
-    """The evaluation copy of `base` (a 4-bit checkpoint), made on `device` and cached under
-    `<cache_root>/dequantized/<fingerprint>`; a base that is not 4-bit is returned as it is.
+    """The evaluation copy of `base` (a 4-bit checkpoint), made on `device` as the store entry
+    `<cache_root>/dequantized/<key>`; a base that is not 4-bit is returned as it is.
 
-    The dequantization runs on `device` (e.g. "cuda:0") so the copy holds the values that device's kernels
-    produce; the directory is written under a temporary name and renamed when complete.
+    The dequantization runs on `device` (e.g. "cuda:0") so the copy holds the values that device's kernels produce.
+    One writer at a time (the entry's lock: a second evaluation waits, then reuses it); the manifest, written last,
+    marks it complete, so a copy whose writer died is made again, never loaded.
     """
     if not base.load_in_4bit:
         return Path(base.path)
     import torch
 
     device_type = torch.device(device).type
-    final = Path(cache_root) / "dequantized" / copy_fingerprint(base, device_type)
-    if (final / RECORD).is_file():
-        return final
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    entry = Entry(cache_root, "dequantized", copy_key(base, device_type))
 
-    started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(base.path, device_map={"": device},
-                                                 dtype=torch_dtype(base.compute_dtype),
-                                                 trust_remote_code=trust_remote_code)
-    layers = dequantize_model(model, offload_to_cpu=device_type != "cpu")
-    with atomic_dir(final) as tmp:
-        model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(base.path, trust_remote_code=trust_remote_code).save_pretrained(tmp)
-        (tmp / RECORD).write_text(json.dumps(dict(
-            source=str(base.path), base_fingerprint=base.fingerprint, dtype=base.compute_dtype, device=device_type,
-            linear_layers=layers, seconds=round(time.perf_counter() - started, 2)), indent=2))
-    print(f"dequantized {layers} Linear4bit layers of {base.path} to {base.compute_dtype} on {device} -> {final}",
-          flush=True)
-    return final
+    def produce() -> DequantizedCopy:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        started = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(base.path, device_map={"": device},
+                                                     dtype=torch_dtype(base.compute_dtype),
+                                                     trust_remote_code=trust_remote_code)
+        layers = dequantize_model(model, offload_to_cpu=device_type != "cpu")
+        model.save_pretrained(entry.path)
+        AutoTokenizer.from_pretrained(base.path, trust_remote_code=trust_remote_code).save_pretrained(entry.path)
+        print(f"dequantized {layers} Linear4bit layers of {base.path} to {base.compute_dtype} on {device} -> "
+              f"{entry.path}", flush=True)
+        return DequantizedCopy(path=entry.path, source=str(base.path), base_fingerprint=base.fingerprint,
+                               dtype=base.compute_dtype, device=device_type, linear_layers=layers,
+                               seconds=round(time.perf_counter() - started, 2))
+
+    made, _ = reuse_or_produce(entry, DequantizedCopy, produce, outputs=["."])  # ".": every file it holds
+    return made.path

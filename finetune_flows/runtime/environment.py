@@ -32,7 +32,7 @@ from finetune_flows.runtime.gpus import GpuInfo, GpuSelection, read_inventory, s
 from finetune_flows.runtime.launcher import python_module, run_worker, write_job
 from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import worker_main
-from finetune_flows.store.entries import write_atomic
+from finetune_flows.store.entries import Entry, reuse_or_record
 from finetune_flows.training.distributed import plan_problems, world_size
 from finetune_flows.training.planner import CAP_FRACTION, GIB, ModelShape, memory_parts
 from finetune_flows.training.sharding import readable_model_config, resolve_strategy
@@ -295,45 +295,45 @@ def probe_key(kernels: dict[str, str] | None, gpus: list[GpuInfo]) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
 
-# One directory of machine probes for every cache on this host (e.g. one cache per team or project), instead of
-# `<run.cache_dir>/environment-probes/`: a probe describes the machine and the interpreter, not a cache.
+# A store of machine probes for every cache on this host (e.g. one cache per team or project), instead of the run's
+# cache: a probe describes the machine and the interpreter, not a cache.
 PROBE_DIR_ENV = "FINETUNE_FLOWS_PROBE_DIR"
+PROBES = "environment-probes"  # the probes' kind of store entry
 
 
 def probe_dir(cache: Path | None) -> Path | None:
-    """Where probes are kept: $FINETUNE_FLOWS_PROBE_DIR, else `<cache>/environment-probes`; None: not kept."""
+    """The store that keeps probes (as `<it>/environment-probes/<key>/`): $FINETUNE_FLOWS_PROBE_DIR, else the run's
+    cache; None: not kept."""
     if cache is None:
         return None
     shared = os.environ.get(PROBE_DIR_ENV)
-    return Path(shared).expanduser() if shared else cache / "environment-probes"
+    return Path(shared).expanduser() if shared else cache
 
 
 def run_probe(workdir: Path, kernels: dict[str, str] | None = None, cache: Path | None = None,
               gpus: list[GpuInfo] | None = None) -> EnvironmentReport:
-    """The probe's report: from `cache` (probe_dir) when this interpreter, stack and machine were probed before (a
+    """The probe's report: a store entry (probe_dir) when this interpreter, stack and machine were probed before (a
     child that imports torch and bitsandbytes costs seconds per run), else from a new child. `gpus` is the run's
     reading of the inventory (read here when None), in the report either way; the Hub's reachability is read
     fresh."""
     gpus = read_inventory() if gpus is None else gpus
-    folder = probe_dir(cache)
-    path = folder / f"{probe_key(kernels, gpus)}.json" if folder is not None else None
-    if path is not None and path.is_file():
-        try:
-            report = EnvironmentReport.model_validate_json(path.read_text())
-        except ValueError:  # unreadable: probe again (and replace it)
-            report = None
-        if report is not None:
-            run_logger().info("environment: reusing the probe in %s (same interpreter, stack versions and GPUs)",
-                              path)
-            return report.model_copy(update={"gpus": gpus, "hub_reachable": _hub_reachable()})
-    job = write_job(workdir, "environment", kernels=kernels or {}, gpus=[g.model_dump(mode="json") for g in gpus])
-    # CUDA_DEVICE_ORDER makes torch's numbering match nvidia-smi's, as for every worker.
-    result = run_worker("environment", python_module("finetune_flows.runtime.environment", job),
-                        {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, workdir)
-    report = EnvironmentReport.model_validate(result)
-    if path is not None:
-        write_atomic(path, report.model_dump_json(indent=2))
-    return report
+
+    def produce(_missing=None) -> list[EnvironmentReport]:
+        job = write_job(workdir, "environment", kernels=kernels or {}, gpus=[g.model_dump(mode="json") for g in gpus])
+        # CUDA_DEVICE_ORDER makes torch's numbering match nvidia-smi's, as for every worker.
+        result = run_worker("environment", python_module("finetune_flows.runtime.environment", job),
+                            {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, workdir)
+        return [EnvironmentReport.model_validate(result)]
+
+    store = probe_dir(cache)
+    if store is None:
+        return produce()[0]
+    entry = Entry(store, PROBES, probe_key(kernels, gpus))
+    ((report, reused),) = reuse_or_record([entry], EnvironmentReport, produce)
+    if not reused:
+        return report
+    run_logger().info("environment: reusing the probe %s (same interpreter, stack versions and GPUs)", entry.path)
+    return report.model_copy(update={"gpus": gpus, "hub_reachable": _hub_reachable()})
 
 
 def measured_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSelection,

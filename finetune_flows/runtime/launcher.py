@@ -87,15 +87,14 @@ def compile_caches(cache_root: Path, selection) -> dict[str, str]:
     which a fresh container (a Prefect Docker or Kubernetes worker's flow run) or a cleaned /tmp loses: a run on a
     cache that has trained on that GPU model before starts from compiled kernels. One folder per GPU model (and one
     for the CPU), so hosts with different GPUs can share the cache. A variable already set in the environment wins."""
-    root = compile_root(cache_root, selection)
+    root = cache_root / "compile" / gpu_models(selection)
     return {var: str(root / folder) for var, folder in COMPILE_CACHES.items() if var not in os.environ}
 
 
-def compile_root(cache_root: Path, selection) -> Path:
-    """`<cache_dir>/compile/<GPU model>/`: the compilers' caches, and what compiling took there
-    (training/compiling.py)."""
+def gpu_models(selection) -> str:
+    """The selected GPU models (`NVIDIA-H200-sm90`; `cpu` without GPUs), as one file name."""
     kinds = sorted({f"{g.name}-sm{g.capability[0]}{g.capability[1]}" for g in selection.gpus}) or ["cpu"]
-    return cache_root / "compile" / re.sub(r"[^A-Za-z0-9.-]+", "-", "+".join(kinds))
+    return re.sub(r"[^A-Za-z0-9.-]+", "-", "+".join(kinds))
 
 
 class WorkerOutput:

@@ -2,7 +2,8 @@
 
 An entry is a directory `<cache root>/<kind>/<key>` (the key is a fingerprint of everything that determines the
 output). Its `manifest.json`, written last and atomically, lists each output file's size and sha256 and holds the
-step's result as pydantic JSON. On reuse the manifest is read and every file re-hashed before the entry is
+step's result as pydantic JSON; a record (a machine probe, a measurement) is an entry whose manifest holds it whole,
+with no files beside it. On reuse the manifest is read and every file re-hashed before the entry is
 trusted; a missing, truncated or mismatching manifest means "not cached" (the log says why) and the step
 produces the entry again. Results come back through `Model.model_validate_json`: nothing is ever unpickled.
 
@@ -23,7 +24,7 @@ import secrets
 import shutil
 import socket
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -159,7 +160,8 @@ class Entry:
     # ------------------------------------------------------------ writing (hold the lock)
 
     def commit(self, result: BaseModel, outputs: Sequence[str]) -> None:
-        """Hash the outputs (files, or directories of files, relative to the entry) and write the manifest last."""
+        """Hash the outputs (files, or directories of files, relative to the entry; none for a record) and write the
+        manifest last."""
         files: dict[str, Any] = {}
         for rel in outputs:
             p = self.path / rel
@@ -171,7 +173,7 @@ class Entry:
                 raise StoreError(f"{self.label}: the step finished without writing {rel}")
             for f in found:
                 files[str(f.relative_to(self.path))] = file_digest(f)
-        if not files:
+        if outputs and not files:
             raise StoreError(f"{self.label}: the step produced no files")
         stored = _relocate(result.model_dump(mode="json"), str(self.path), ENTRY_PLACEHOLDER)
         manifest = {"format": FORMAT, "kind": self.kind, "key": self.key,
@@ -256,6 +258,43 @@ def reuse_or_produce(entry: Entry, model: type[M], produce: Callable[[], M], out
         result = produce()
         entry.commit(result, outputs)
         return result, False
+
+
+def _commit_record(entry: Entry, result: BaseModel) -> None:
+    entry.invalidate()
+    entry.path.mkdir(parents=True, exist_ok=True)
+    entry.commit(result, ())
+
+
+def reuse_or_record(entries: Sequence[Entry], model: type[M],
+                    produce: Callable[[list[Entry]], list[M]]) -> list[tuple[M, bool]]:
+    """Records (results held whole in their manifests): each verified entry reused, the others produced together by
+    one `produce(missing)` (one result per entry, in order) under their locks, taken in key order so two runs
+    needing overlapping sets never wait on each other. Returns (result, reused) per entry, in order."""
+    results: dict[int, tuple[M, bool]] = {}
+    for i, entry in enumerate(entries):
+        if (found := entry.load(model)) is not None:
+            results[i] = (found, True)
+    missing = [i for i in range(len(entries)) if i not in results]
+    if missing:
+        with ExitStack() as held:
+            for i in sorted(missing, key=lambda i: entries[i].label):
+                held.enter_context(entries[i].lock())
+            for i in missing:  # double-checked, as in reuse_or_produce
+                if (found := entries[i].load(model, quiet=True)) is not None:
+                    results[i] = (found, True)
+            todo = [i for i in missing if i not in results]
+            if todo:
+                for i, result in zip(todo, produce([entries[i] for i in todo]), strict=True):
+                    _commit_record(entries[i], result)
+                    results[i] = (result, False)
+    return [results[i] for i in range(len(entries))]
+
+
+def rewrite_record(entry: Entry, result: BaseModel) -> None:
+    """Replace a record (the last measurement wins) under its lock; readers meanwhile find none, never a torn one."""
+    with entry.lock():
+        _commit_record(entry, result)
 
 
 def step_state(result: M, reused: bool, entry: Entry):

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import secrets
-import shutil
-import tempfile
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
 
 from finetune_flows.config.schema import FinetuneConfig, load_config
 from finetune_flows.errors import UserInputError
@@ -34,26 +29,6 @@ def create_run_dir(cfg: FinetuneConfig) -> Path:
             continue
     write_atomic(run_dir / "config.resolved.yaml", cfg.to_yaml())
     return run_dir
-
-
-@contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
-    """Build a directory under a temporary name and move it into place only when complete.
-
-    A crash leaves no half-written directory at `final`, so a cache entry is either whole or absent.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    os.chmod(tmp, 0o755)
-    try:
-        yield tmp
-        if final.exists():  # another run finished the same content first: keep theirs
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def flow_run_name() -> str:

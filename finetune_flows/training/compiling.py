@@ -7,20 +7,20 @@ back (the figures: benchmarks/results/train-bench-1xGPU-20261201-032103/NOTE.md)
 So under `auto` the layers start eager. After MEASURE_STEPS steps (an attempt's first step left out) the median
 eager step time `t` and the optimizer steps left `n` give what compiling would save, n * t * (1 - 1/SPEEDUP), and
 it is weighed against what compiling costs: the compilation last measured for this layer on this GPU model and
-torch version (`compile-seconds.json` in the run cache's compile folder), or DEFAULT_COST_S before any was. Rank 0
-decides for every rank. A run that compiles measures its compilation (its first compiled step's time less `t`)
-and records it for the next one. `train.compile=true` compiles before the first step; `false` never.
+torch version (a record in the store: `<cache>/compile-costs/<GPU model>--<layer>/`), or DEFAULT_COST_S before any
+was. Rank 0 decides for every rank. A run that compiles measures its compilation (its first compiled step's time
+less `t`) and records it for the next one. `train.compile=true` compiles before the first step; `false` never.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
-import os
+import re
 import statistics
 from pathlib import Path
 
-from finetune_flows.store.entries import write_atomic
+from pydantic import BaseModel
+
+from finetune_flows.store.entries import Entry, rewrite_record
 
 MEASURE_STEPS = 5  # eager steps timed before deciding
 # The lower of the speedups the benchmarks showed: a decision must not count on the larger one.
@@ -28,7 +28,7 @@ SPEEDUP = 1.45
 # Compilation plus the first compiled step less an eager one, with an empty compile cache, as the benchmarks
 # showed it; used until this GPU model has a measurement of its own.
 DEFAULT_COST_S = 90.0
-RECORD = "compile-seconds.json"
+COSTS = "compile-costs"  # the store's kind of entry for measured compilations
 
 
 def compile_decoder_layers(model, **compile_options) -> None:
@@ -48,30 +48,23 @@ def layer_key(model_config) -> str:
     return f"{model_config.model_type}-{model_config.hidden_size}-torch{torch.__version__}"
 
 
-def recorded_cost(record: Path | None, key: str) -> float | None:
-    if record is None:
-        return None
-    try:
-        return float(json.loads(record.read_text())[key])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+class CompileCost(BaseModel):
+    seconds: float  # the first compiled step less an eager one
 
 
-def record_cost(record: Path, key: str, seconds: float) -> None:
-    """One writer at a time (an exclusive lock on the record's folder, so concurrent runs on one cache keep each
-    other's keys), written atomically (readers see a whole file; the last measurement of a key wins)."""
-    record.parent.mkdir(parents=True, exist_ok=True)
-    folder = os.open(record.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(folder, fcntl.LOCK_EX)  # released when closed, also if this process dies
-        try:
-            data = json.loads(record.read_text())
-        except (OSError, ValueError):
-            data = {}
-        data[key] = round(seconds, 1)
-        write_atomic(record, json.dumps(data, indent=1, sort_keys=True))
-    finally:
-        os.close(folder)
+def cost_entry(cache_root: Path, gpus: str, layer: str) -> Entry:
+    """The record of what compiling `layer` (layer_key) took on the GPU model `gpus` (launcher.gpu_models)."""
+    return Entry(cache_root, COSTS, re.sub(r"[^A-Za-z0-9.+-]+", "-", f"{gpus}--{layer}"))
+
+
+def recorded_cost(entry: Entry | None) -> float | None:
+    found = entry.load(CompileCost, quiet=True) if entry is not None else None
+    return found.seconds if found is not None else None
+
+
+def record_cost(entry: Entry, seconds: float) -> None:
+    """The last measurement wins; one writer at a time (the entry's lock), its manifest written atomically."""
+    rewrite_record(entry, CompileCost(seconds=round(seconds, 1)))
 
 
 def decide(eager_seconds: list[float], steps_left: int, cost: float | None) -> tuple[bool, str]:
@@ -87,13 +80,11 @@ def decide(eager_seconds: list[float], steps_left: int, cost: float | None) -> t
     return worth, why
 
 
-def compile_when_it_pays(model, clock, record: Path | None, gather, say, **compile_options):
+def compile_when_it_pays(model, clock, record: Entry | None, gather, say, **compile_options):
     """A Trainer callback (added after the one that feeds `clock`): times the eager steps, decides, compiles, and
-    measures and records the compilation. `gather` collects one value per rank (rank 0's decides); `say` prints on
-    rank 0."""
+    measures and records the compilation in `record` (cost_entry; None: none kept). `gather` collects one value per
+    rank (rank 0's decides); `say` prints on rank 0."""
     from transformers import TrainerCallback
-
-    key = layer_key(model.config)
 
     class CompileWhenItPays(TrainerCallback):
         first = None  # the attempt's first step (a resumed attempt starts past 0)
@@ -110,7 +101,7 @@ def compile_when_it_pays(model, clock, record: Path | None, gather, say, **compi
                 self.cost = max(0.0, clock.steps[-1][1] - self.eager)
                 say(f"decoder layers compiled in {self.cost:.1f} s (the first compiled step less an eager one)")
                 if record is not None and state.is_world_process_zero:
-                    record_cost(record, key, self.cost)
+                    record_cost(record, self.cost)
             if self.decided:
                 return
             # every rank holds the same steps (saves land on the same ones), so all reach this point together
@@ -118,7 +109,7 @@ def compile_when_it_pays(model, clock, record: Path | None, gather, say, **compi
             if len(eager) < MEASURE_STEPS:
                 return
             self.decided = True
-            worth, why = decide(eager, state.max_steps - state.global_step, recorded_cost(record, key))
+            worth, why = decide(eager, state.max_steps - state.global_step, recorded_cost(record))
             worth = bool(gather(worth)[0])
             say(f"train.compile=auto at step {state.global_step}: {why}: "
                 + ("compiling the decoder layers now" if worth else "the layers stay eager"))

@@ -14,7 +14,6 @@ from typing import Any
 from pydantic import BaseModel
 
 from finetune_flows.training.attempts import run_attempts, split_limit, whole_run
-from finetune_flows.training.compiling import RECORD as COMPILE_RECORD
 from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
@@ -23,7 +22,7 @@ from finetune_flows.config.plan import Plan, worker_config
 from finetune_flows.errors import UserInputError
 from finetune_flows.store.fingerprint import combine, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
-from finetune_flows.runtime.launcher import compile_caches, compile_root, run_worker, training_env, write_job
+from finetune_flows.runtime.launcher import compile_caches, gpu_models, run_worker, training_env, write_job
 from finetune_flows.logs import run_logger
 from finetune_flows.training.planner import ModelShape, TrainingPlan, plan_training, planning_bytes
 from finetune_flows.config.preflight import check_lora_targets
@@ -174,7 +173,7 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
 
     def attempt(split: int, observe) -> None:
         job = write_train_job(out, cfg, plan, base, data, gpus.ids, entry.key, micro_batch_split=split,
-                              compile_record=str(compile_root(cfg.cache_root, gpus) / COMPILE_RECORD))
+                              compile_record={"cache": str(cfg.cache_root), "gpus": gpu_models(gpus)})
         with ProgressReporter(cfg.train.max_steps) as progress:
             run_worker("train", train_command(cfg, plan, job, entry.key),
                        training_env({**gpus.env, **compile_caches(cfg.cache_root, gpus)}), out,

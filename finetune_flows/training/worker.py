@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from finetune_flows.training.compiling import compile_decoder_layers, compile_when_it_pays
+from finetune_flows.training.compiling import compile_decoder_layers, compile_when_it_pays, cost_entry, layer_key
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import IGNORE_INDEX, load_split
 from finetune_flows.training.distributed import (
@@ -302,8 +302,9 @@ def _train(job: dict) -> dict | None:
             if trainer.is_world_process_zero():
                 print(line, flush=True)
 
-        record = job.get("compile_record")
-        deferred = compile_when_it_pays(model, clock, Path(record) if record else None, gather, say)
+        where = job.get("compile_record")  # the store and GPU model that record what compiling took
+        record = cost_entry(Path(where["cache"]), where["gpus"], layer_key(model.config)) if where else None
+        deferred = compile_when_it_pays(model, clock, record, gather, say)
         trainer.add_callback(deferred)
     shared, resume = prepare_ranks(trainer, out)  # who writes, where to resume from
     # read now: with save_total_limit, the checkpoint resumed from is rotated out during training
