@@ -51,12 +51,11 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(PY) flows/finetune.py $(ARGS)
 
-# Three pytest-xdist workers on two cores (a test file stays on one worker: its module fixtures are shared; much of
-# the suite waits on servers and child processes, so a third worker fills idle cores: 21.3 min vs 23.5 with two).
-# A fourth does not help: on the 2-core AMD host while it was slow, 38.3 min with four vs 37.7 with three, both at 144% CPU;
-# the deployment tests' 420 s waits ran out under the extra load.
-# Files start longest first (tests/conftest.py LONGEST_FIRST; --no-loadscope-reorder keeps that order). TEST_WORKERS=0
-# runs serially. The slowest 20 tests and 15 files are listed at the end: the suite has to stay under 25 minutes.
+# Three pytest-xdist workers on two cores: much of the suite waits on servers and child processes, so a third worker
+# fills idle cores; a fourth overloads them (the deployment tests' waits run out). A test file stays on one worker
+# (its module fixtures are shared); files start longest first (tests/conftest.py LONGEST_FIRST,
+# --no-loadscope-reorder keeps that order). TEST_WORKERS=0 runs serially. The slowest tests are listed at the end:
+# the suite has to stay under 25 minutes.
 TEST_WORKERS ?= 3
 test: setup test-deps
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=20 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
