@@ -3,6 +3,10 @@
     python flows/finetune.py                                   # the built-in demo (configs/demo.yaml)
     python flows/finetune.py --config configs/X.yaml --set train.learning_rate=1e-4
     python flows/finetune.py --help-config                     # every config key, documented
+    python flows/finetune.py --config configs/X.yaml --print-params   # the same config as deployment run --params
+
+The flow takes the config as one typed parameter (FinetuneConfig): this command line builds it from the YAML file and
+the overrides once, checks it, and passes it on; a deployment carries it as JSON (deployments/README.md).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 from prefect import flow  # noqa: E402
 
 from finetune_flows.cli import print_to_pipe, run_cli  # noqa: E402
-from finetune_flows.config.preflight import preflight  # noqa: E402
-from finetune_flows.config.schema import config_reference  # noqa: E402
+from finetune_flows.config.parameters import run_parameters  # noqa: E402
+from finetune_flows.config.preflight import cli_preflight, preflight  # noqa: E402
+from finetune_flows.config.schema import FinetuneConfig, config_reference, load_config  # noqa: E402
 from finetune_flows.evaluation.evaluate import publish_eval  # noqa: E402
 from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
 from finetune_flows.orchestration.caching import run_step  # noqa: E402
@@ -37,8 +42,13 @@ DEFAULT_CONFIG = "configs/demo.yaml"
 
 
 @flow(name="finetune", flow_run_name=flow_run_name, log_prints=True, persist_result=False)
-def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = None) -> FinetuneResult:
-    cfg = pin_hub_revisions(preflight(config, overrides))  # policy, then bad input, before anything is written
+def finetune(config: FinetuneConfig) -> FinetuneResult:
+    """A base model and a dataset in, an evaluated QLoRA adapter (and the merged model) out.
+
+    Args:
+        config: The run configuration, by section; each key as `python flows/finetune.py --help-config` lists it.
+    """
+    cfg = pin_hub_revisions(preflight(config))  # policy, then bad input, before anything is written
     run_dir = create_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir)
@@ -70,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. train.max_steps=50 (repeatable)")
     parser.add_argument("--help-config", action="store_true", help="print every config key with its doc and exit")
+    parser.add_argument("--print-params", action="store_true",
+                        help="print the config as `prefect deployment run --params` takes it, and exit")
     args = parser.parse_args(argv)
     if args.help_config:
         print_to_pipe(config_reference())
         return 0
-    return run_cli(lambda: preflight(args.config, args.overrides), lambda: finetune(args.config, args.overrides),
-                   print_table)
+    if args.print_params:
+        return run_cli(lambda: run_parameters(args.config, args.overrides), None, print)
+    return run_cli(lambda: cli_preflight(load_config(args.config, args.overrides)), finetune, print_table)
 
 
 if __name__ == "__main__":

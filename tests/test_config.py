@@ -130,3 +130,4 @@ def test_help_config_into_a_closed_pipe_exits_quietly():
 def test_docs_reference_matches_the_config_model():
     page = (REPO / "docs" / "config-reference.md").read_text()
     assert f"```text\n{config_reference()}\n```" in page, "regenerate docs/config-reference.md (--help-config)"
+
