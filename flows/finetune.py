@@ -18,6 +18,7 @@ import sys
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before prefect reads its settings
 
 from prefect import flow  # noqa: E402
+from prefect.tasks import exponential_backoff  # noqa: E402
 
 from finetune_flows.cli import print_to_pipe, run_cli  # noqa: E402
 from finetune_flows.config.parameters import run_parameters  # noqa: E402
@@ -57,11 +58,7 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
                                       cfg.model.trust_remote_code)
     data, data_step = run_step(prepare_dataset, cfg, tokenizer)
     base, base_step = run_step(quantize_base_model, cfg, plan, gpus, run_dir)
-    trainer = train_adapter.with_options(
-        retries=cfg.train.retries,
-        retry_delay_seconds=[cfg.train.retry_delay_seconds * 2**i for i in range(cfg.train.retries)] or 0,
-    )
-    train, train_step = run_step(trainer, cfg, data, base, plan, gpus, run_dir)
+    train, train_step = run_step(retrying_trainer(cfg), cfg, data, base, plan, gpus, run_dir)
     report, eval_step = run_step(evaluate_adapter, cfg, data, base, train.adapter_path, plan, gpus)
     merged = export_merged_model(cfg, data, base, train.adapter_path, plan, gpus, env, run_dir, report.table())
 
@@ -72,6 +69,13 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     if cfg.tracking.mlflow_uri:
         log_to_mlflow(cfg, plan, result)
     return result
+
+
+def retrying_trainer(cfg: FinetuneConfig):
+    """The training task with the run's retries: the first after `train.retry_delay_seconds`, each next one after
+    twice the delay before it (Prefect's exponential_backoff)."""
+    return train_adapter.with_options(retries=cfg.train.retries,
+                                      retry_delay_seconds=exponential_backoff(cfg.train.retry_delay_seconds))
 
 
 def main(argv: list[str] | None = None) -> int:

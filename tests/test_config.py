@@ -131,3 +131,10 @@ def test_docs_reference_matches_the_config_model():
     page = (REPO / "docs" / "config-reference.md").read_text()
     assert f"```text\n{config_reference()}\n```" in page, "regenerate docs/config-reference.md (--help-config)"
 
+
+def test_training_retries_wait_the_first_delay_then_double_it():
+    from flows.finetune import retrying_trainer
+
+    trainer = retrying_trainer(load_config(None, ["train.retries=3", "train.retry_delay_seconds=10"]))
+    assert (trainer.retries, trainer.retry_delay_seconds) == (3, [10, 20, 40])
+    assert retrying_trainer(load_config(None, ["train.retries=0"])).retries == 0
