@@ -149,7 +149,8 @@ def test_flows_run_the_same_preflight(tmp_path):
 
 
 def test_short_runs_and_retry_bounds():
-    cfg = preflight(load_config(ROOT / "configs/demo.yaml", ["train.max_steps=5", "hardware.gpus=cpu"]))  # save_steps: 10
+    # demo.yaml saves every 10 steps
+    cfg = preflight(load_config(ROOT / "configs/demo.yaml", ["train.max_steps=5", "hardware.gpus=cpu"]))
     assert cfg.train.max_steps == 5
     with pytest.raises(ConfigError, match="train.retries"):
         load_config(None, ["train.retries=51"])  # Prefect refuses more than 50 retry delays
