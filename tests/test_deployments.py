@@ -263,6 +263,22 @@ def test_a_bad_config_value_is_refused_by_the_server_before_any_run_exists(stack
     assert flow_runs_of(stack, "finetune/on-demand")[1] == before, "a refused run was created"
 
 
+def test_a_run_that_skips_the_servers_check_fails_on_the_models_own_validation(stack):
+    """A caller may create a run with `enforce_parameter_schema: false`; the flow process then validates the
+    parameter with the same model before the flow starts, so the run fails naming the key."""
+    import httpx
+
+    deployment_id, _ = flow_runs_of(stack, "finetune/on-demand")
+    reply = httpx.post(f"{stack.api_url}/deployments/{deployment_id}/create_flow_run", timeout=30, json={
+        "parameters": {"config": {"train": {"learning_rate": "fast"}}}, "enforce_parameter_schema": False})
+    assert reply.status_code == 201, reply.text
+    flow_run_id = reply.json()["id"]
+    run = stack.wait_for([flow_run_id], timeout=300)[flow_run_id]
+    assert run.state.type.value == "FAILED", run.state.message
+    assert "config.train.learning_rate" in run.state.message, run.state.message
+    assert not any(log.message.startswith("worker policy") for log in stack.logs_of(flow_run_id)), "the flow ran"
+
+
 SET_FIELD = """(() => {{
   const label = [...document.querySelectorAll('label')].find(l => l.textContent.trim().startsWith('{key} '));
   const input = document.getElementById(label.htmlFor);
