@@ -1,8 +1,9 @@
 """deployments/prefect.yaml for real: server, `make deploy`, `make worker`, `prefect deployment run`, the UI.
 
-One Prefect stack serves the module (tests/deploy_support.py). Two on-demand runs start together on one host
-whose device (the CPU here) has a one-slot limit, so their training and evaluation must take turns; then the
-evaluation-only deployment scores the adapter one of them produced; then headless Chromium opens the UI.
+One Prefect stack serves the module (tests/deploy_support.py). First the typed `config` parameter: its schema,
+bad values refused by the server and by the run form in headless Chromium. Then two on-demand runs start together
+on one host whose device (the CPU here) has a one-slot limit, so their training and evaluation must take turns;
+then the evaluation-only deployment scores the adapter one of them produced; then headless Chromium opens the UI.
 Screenshots land in test-outputs/.
 """
 
