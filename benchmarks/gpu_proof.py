@@ -102,10 +102,12 @@ def gpu_tests(mode: str, work: Path, out: Path, paths: list[str] | None = None, 
 
 
 def flow_run(name: str, config: str | None, overrides: list[str], cache: Path, runs: Path) -> dict:
+    from finetune_flows.config.schema import load_config
     from flows.finetune import finetune
 
     started = time.perf_counter()
-    result = finetune(config, [*overrides, f"run.cache_dir={cache}", f"run.output_dir={runs}", f"run.name={name}"])
+    result = finetune(load_config(config, [*overrides, f"run.cache_dir={cache}", f"run.output_dir={runs}",
+                                           f"run.name={name}"]))
     seconds = time.perf_counter() - started
     t, e = result.train, result.eval
     return {

@@ -38,6 +38,7 @@ from finetune_flows.errors import NotRetryable, UserInputError
 from finetune_flows.runtime.lifecycle import preexec_die_with
 
 T = TypeVar("T")
+C = TypeVar("C")
 SERVER_START_TIMEOUT = 180  # seconds; a fresh database's migrations are slow on a loaded machine
 STOP_MARGIN_SECONDS = 10  # after the workers' grace period: releasing device slots, Prefect's own teardown
 DRAIN_SECONDS = 3  # after the run has unwound: Prefect's background services flush what they can
@@ -172,15 +173,20 @@ def print_to_pipe(text: str) -> None:
         os.close(devnull)
 
 
-def run_cli(check: Callable[[], object], run: Callable[[], T], show: Callable[[T], None]) -> int:
-    """check() (no server yet), then run() the flow, then show() its result; errors as one message."""
+def run_cli(check: Callable[[], C], run: Callable[[C], T] | None, show: Callable[[T], None]) -> int:
+    """check() (no server yet), then run() the flow on what it returned (usually the config), then show() the
+    result; errors as one message. Without run, show() what check() returned."""
     global _stop_grace
     quiet_tracebacks()
     try:
         with stop_on_signals():
-            _stop_grace = getattr(getattr(check(), "hardware", None), "stop_grace_seconds", None)
-            start_temporary_server()
-            result = run()
+            checked = check()
+            if run is None:
+                result = checked
+            else:
+                _stop_grace = getattr(getattr(checked, "hardware", None), "stop_grace_seconds", None)
+                start_temporary_server()
+                result = run(checked)
     except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -19,7 +19,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 from prefect import flow  # noqa: E402
 
 from finetune_flows.cli import run_cli  # noqa: E402
-from finetune_flows.config.preflight import preflight  # noqa: E402
+from finetune_flows.config.preflight import cli_preflight, preflight  # noqa: E402
+from finetune_flows.config.schema import FinetuneConfig, load_config  # noqa: E402
 from finetune_flows.evaluation.adapters import (  # noqa: E402
     EvaluationResult, check_evaluation_dir, create_eval_run_dir, eval_run_name, finish_evaluation, named_adapter,
     render_evaluation, training_config, warn_if_other_base,
@@ -28,7 +29,7 @@ from finetune_flows.evaluation.evaluate import beside_adapter, publish_eval  # n
 from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
 from finetune_flows.orchestration.caching import run_step  # noqa: E402
 from finetune_flows.runtime.gpus import read_inventory  # noqa: E402
-from finetune_flows.runtime.policy import check_adapter_path  # noqa: E402
+from finetune_flows.runtime.policy import allowed_config_file, check_adapter_path  # noqa: E402
 from finetune_flows.store.fingerprint import pin_hub_revisions  # noqa: E402
 from tasks.evaluate_adapter import evaluate_adapter  # noqa: E402
 from tasks.evaluate_checkpoint import evaluate_checkpoint  # noqa: E402
@@ -39,12 +40,18 @@ from tasks.verify_environment import verify_environment  # noqa: E402
 
 
 @flow(name="evaluate", flow_run_name=eval_run_name, log_prints=True, persist_result=False)
-def evaluate(adapter: str, config: str | None = None, overrides: list[str] | None = None) -> EvaluationResult:
-    """`adapter`: an adapter directory or a merged checkpoint (runs/<run>/adapter or runs/<run>/merged)."""
+def evaluate(adapter: str, config: FinetuneConfig | None = None) -> EvaluationResult:
+    """An existing adapter, or a merged checkpoint made from one, scored against its base model.
+
+    Args:
+        adapter: An adapter directory or a merged checkpoint (runs/<run>/adapter or runs/<run>/merged).
+        config: The run configuration; none: the one the adapter was trained with (its run's config.resolved.yaml).
+    """
     check_adapter_path(adapter)  # the worker's policy first: nothing read or written
     target = check_evaluation_dir(adapter)  # adapter or merged checkpoint, before anything loads
     inventory = read_inventory()  # the run's one reading of the GPUs
-    cfg = pin_hub_revisions(preflight(config or training_config(target.path), overrides, inventory))
+    cfg = pin_hub_revisions(preflight(config or load_config(allowed_config_file(training_config(target.path))),
+                                      inventory))
     run_dir = create_eval_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir, inventory)
@@ -77,10 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. eval.max_samples=200 (repeatable)")
     args = parser.parse_args(argv)
-    return run_cli(lambda: preflight(args.config or training_config(check_evaluation_dir(args.adapter).path),
-                                     args.overrides),
-                   lambda: evaluate(args.adapter, args.config, args.overrides),
-                   lambda result: print(render_evaluation(result)))
+    return run_cli(lambda: cli_preflight(load_config(
+        args.config or training_config(check_evaluation_dir(args.adapter).path), args.overrides)),
+        lambda cfg: evaluate(args.adapter, cfg), lambda result: print(render_evaluation(result)))
 
 
 if __name__ == "__main__":

@@ -17,14 +17,14 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 
 from prefect import flow  # noqa: E402
 
-from finetune_flows.config.schema import load_config  # noqa: E402
+from finetune_flows.config.schema import FinetuneConfig, check_config, load_config  # noqa: E402
 from finetune_flows.errors import UserInputError  # noqa: E402
 from finetune_flows.evaluation.adapters import check_adapter_dir, training_config, warn_if_other_base  # noqa: E402
 from finetune_flows.export.merge import ExportResult  # noqa: E402
 from finetune_flows.export.model_card import adapter_eval_table, create_export_run_dir  # noqa: E402
 from finetune_flows.models.sources import check_model_source, materialize_tokenizer  # noqa: E402
 from finetune_flows.orchestration.caching import run_step  # noqa: E402
-from finetune_flows.runtime.policy import check_adapter_path, checked_config  # noqa: E402
+from finetune_flows.runtime.policy import allowed_config, check_adapter_path, checked_config  # noqa: E402
 from finetune_flows.store.fingerprint import pin_hub_revisions  # noqa: E402
 from tasks.merge_adapter import export_merged_model  # noqa: E402
 from tasks.prepare_dataset import prepare_dataset  # noqa: E402
@@ -34,10 +34,17 @@ from tasks.verify_environment import verify_environment  # noqa: E402
 
 
 @flow(name="export", flow_run_name="export {adapter}", log_prints=True, persist_result=False)
-def export(adapter: str, config: str | None = None, overrides: list[str] | None = None) -> ExportResult:
+def export(adapter: str, config: FinetuneConfig | None = None) -> ExportResult:
+    """An existing adapter merged into the exact base it was trained on, as a standalone checkpoint.
+
+    Args:
+        adapter: An adapter directory (runs/<run>/adapter of a fine-tune run).
+        config: The run configuration; none: the one the adapter was trained with (its run's config.resolved.yaml).
+    """
     check_adapter_path(adapter)  # the worker's policy first: nothing read or written
     adapter_dir = check_adapter_dir(adapter)  # before anything loads
-    cfg = pin_hub_revisions(checked_config(config or training_config(adapter_dir), overrides))
+    cfg = allowed_config(check_config(config)) if config else checked_config(training_config(adapter_dir), None)
+    cfg = pin_hub_revisions(cfg)
     check_model_source(cfg.model.source, cfg.model.trust_remote_code)
     run_dir = create_export_run_dir(cfg)
 
@@ -61,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:  # fail fast, before a Prefect server is even started
         adapter_dir = check_adapter_dir(args.adapter)
-        model = load_config(args.config or training_config(adapter_dir), args.overrides).model
-        check_model_source(model.source, model.trust_remote_code)
-        result = export(args.adapter, args.config, args.overrides)
+        cfg = load_config(args.config or training_config(adapter_dir), args.overrides)
+        check_model_source(cfg.model.source, cfg.model.trust_remote_code)
+        result = export(args.adapter, cfg)
     except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -3,6 +3,10 @@
     python flows/finetune.py                                   # the built-in demo (configs/demo.yaml)
     python flows/finetune.py --config configs/X.yaml --set train.learning_rate=1e-4
     python flows/finetune.py --help-config                     # every config key, documented
+    python flows/finetune.py --config configs/X.yaml --print-params   # the same config as deployment run --params
+
+The flow takes the config as one typed parameter (FinetuneConfig): this command line builds it from the YAML file and
+the overrides once, checks it, and passes it on; a deployment carries it as JSON (deployments/README.md).
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import sys
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before prefect reads its settings
 
 from prefect import flow  # noqa: E402
+from prefect.tasks import exponential_backoff  # noqa: E402
 
 from finetune_flows.cli import print_to_pipe, run_cli  # noqa: E402
-from finetune_flows.config.preflight import preflight  # noqa: E402
-from finetune_flows.config.schema import config_reference  # noqa: E402
+from finetune_flows.config.parameters import run_parameters  # noqa: E402
+from finetune_flows.config.preflight import cli_preflight, preflight  # noqa: E402
+from finetune_flows.config.schema import FinetuneConfig, config_reference, load_config  # noqa: E402
 from finetune_flows.evaluation.evaluate import publish_eval  # noqa: E402
 from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
 from finetune_flows.orchestration.caching import run_step  # noqa: E402
@@ -38,9 +44,14 @@ DEFAULT_CONFIG = "configs/demo.yaml"
 
 
 @flow(name="finetune", flow_run_name=flow_run_name, log_prints=True, persist_result=False)
-def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = None) -> FinetuneResult:
+def finetune(config: FinetuneConfig) -> FinetuneResult:
+    """A base model and a dataset in, an evaluated QLoRA adapter (and the merged model) out.
+
+    Args:
+        config: The run configuration, by section; each key as `python flows/finetune.py --help-config` lists it.
+    """
     inventory = read_inventory()  # the run's one reading of the GPUs
-    cfg = pin_hub_revisions(preflight(config, overrides, inventory))  # policy, bad input, before anything is written
+    cfg = pin_hub_revisions(preflight(config, inventory))  # policy, then bad input, before anything is written
     run_dir = create_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir, inventory)
@@ -49,11 +60,7 @@ def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = 
                                       cfg.model.trust_remote_code)
     data, data_step = run_step(prepare_dataset, cfg, tokenizer)
     base, base_step = run_step(quantize_base_model, cfg, plan, gpus, run_dir)
-    trainer = train_adapter.with_options(
-        retries=cfg.train.retries,
-        retry_delay_seconds=[cfg.train.retry_delay_seconds * 2**i for i in range(cfg.train.retries)] or 0,
-    )
-    train, train_step = run_step(trainer, cfg, data, base, plan, gpus, run_dir)
+    train, train_step = run_step(retrying_trainer(cfg), cfg, data, base, plan, gpus, run_dir)
     report, eval_step = run_step(evaluate_adapter, cfg, data, base, train.adapter_path, plan, gpus)
     merged = export_merged_model(cfg, data, base, train.adapter_path, plan, gpus, env, run_dir, report.table())
 
@@ -66,18 +73,28 @@ def finetune(config: str | None = DEFAULT_CONFIG, overrides: list[str] | None = 
     return result
 
 
+def retrying_trainer(cfg: FinetuneConfig):
+    """The training task with the run's retries: the first after `train.retry_delay_seconds`, each next one after
+    twice the delay before it (Prefect's exponential_backoff)."""
+    return train_adapter.with_options(retries=cfg.train.retries,
+                                      retry_delay_seconds=exponential_backoff(cfg.train.retry_delay_seconds))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="run config YAML (default: %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. train.max_steps=50 (repeatable)")
     parser.add_argument("--help-config", action="store_true", help="print every config key with its doc and exit")
+    parser.add_argument("--print-params", action="store_true",
+                        help="print the config as `prefect deployment run --params` takes it, and exit")
     args = parser.parse_args(argv)
     if args.help_config:
         print_to_pipe(config_reference())
         return 0
-    return run_cli(lambda: preflight(args.config, args.overrides), lambda: finetune(args.config, args.overrides),
-                   print_table)
+    if args.print_params:
+        return run_cli(lambda: run_parameters(args.config, args.overrides), None, print)
+    return run_cli(lambda: cli_preflight(load_config(args.config, args.overrides)), finetune, print_table)
 
 
 if __name__ == "__main__":

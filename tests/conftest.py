@@ -205,6 +205,13 @@ def tiny_overrides(cache: Path, runs: Path, **extra: object) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def tiny_config(cache: Path, runs: Path, **extra: object):
+    """`tiny_overrides` as the typed config the flow takes."""
+    from finetune_flows.config.schema import load_config
+
+    return load_config(None, tiny_overrides(cache, runs, **extra))
+
+
 def kill_rank_after_checkpoint(adapters: Path, rank: int, checkpoint_glob: str, timeout: float = 300):
     """In a thread: SIGKILL training rank `rank` (its pid file `adapters/*/ranks/rank-N.pid`) as soon as its output
     directory holds a file matching `checkpoint_glob`, as the OOM killer or a preemption would. Returns the thread
@@ -234,8 +241,8 @@ def two_rank_reference(prefect_server, shared_cache, tmp_path_factory):
     the second module to ask is served from the shared cache)."""
     from flows.finetune import finetune
 
-    result = finetune(None, tiny_overrides(shared_cache / "scale", tmp_path_factory.mktemp("runs"),
-                                           **{"hardware.cpu_processes": 2}))
+    result = finetune(tiny_config(shared_cache / "scale", tmp_path_factory.mktemp("runs"),
+                                  **{"hardware.cpu_processes": 2}))
     assert result.train.world_size == 2
     return result
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
 
+from finetune_flows.config.parameters import config_parameter
 from finetune_flows.runtime.processes import alive, descendants
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +30,12 @@ VENV_BIN = Path(sys.executable).parent
 PREFECT = str(VENV_BIN / "prefect")
 STAMP = ".venv/.installed"  # `make -o` it: the suite runs inside `make test`, after setup
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def demo_config(overrides: list[str]) -> dict[str, Any]:
+    """The on-demand deployment's config (configs/demo.yaml) with `key=value` overrides, as the JSON a run's
+    `config` parameter carries (what `python flows/finetune.py --set ... --print-params` prints)."""
+    return config_parameter(ROOT / "configs" / "demo.yaml", overrides)
 
 
 def free_port() -> int:

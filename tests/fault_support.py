@@ -22,7 +22,8 @@ def overrides(cache, runs, **extra):
 
 
 def start_cli(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    """`python flows/finetune.py` on the defaults plus `args`, as the in-process `finetune(None, args)` runs it."""
+    """`python flows/finetune.py` on the defaults plus `args`, as the in-process
+    `finetune(load_config(None, args))` runs it."""
     defaults = log.parent / "defaults.yaml"
     defaults.write_text("{}\n")
     argv = [sys.executable, "flows/finetune.py", "--config", str(defaults), *(x for a in args for x in ("--set", a))]

@@ -130,3 +130,36 @@ def test_help_config_into_a_closed_pipe_exits_quietly():
 def test_docs_reference_matches_the_config_model():
     page = (REPO / "docs" / "config-reference.md").read_text()
     assert f"```text\n{config_reference()}\n```" in page, "regenerate docs/config-reference.md (--help-config)"
+
+
+def test_training_retries_wait_the_first_delay_then_double_it():
+    from flows.finetune import retrying_trainer
+
+    trainer = retrying_trainer(load_config(None, ["train.retries=3", "train.retry_delay_seconds=10"]))
+    assert (trainer.retries, trainer.retry_delay_seconds) == (3, [10, 20, 40])
+    assert retrying_trainer(load_config(None, ["train.retries=0"])).retries == 0
+
+
+def test_print_params_writes_the_run_parameter_that_deployment_run_takes(tmp_path):
+    """`--print-params`: the config file plus `--set`s, validated, as `{"config": ...}` for `--params`; a bad key
+    is one message and exit status 2, and nothing is started."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import child_env
+    from finetune_flows.config.parameters import config_parameter
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "flows/finetune.py", "--config", "configs/nightly.yaml", *args],
+                              cwd=REPO, env=child_env(PREFECT_HOME=str(tmp_path)), capture_output=True, text=True,
+                              timeout=120)
+
+    done = cli("--set", "train.learning_rate=5e-4", "--print-params")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"config": config_parameter(REPO / "configs/nightly.yaml",
+                                                                  ["train.learning_rate=5e-4"])}
+    assert json.loads(done.stdout)["config"]["data"]["source"] == "data/nightly-tickets.jsonl"
+    bad = cli("--set", "train.learning_rat=5e-4", "--print-params")
+    assert (bad.returncode, bad.stdout) == (2, "") and "train.learning_rat: unknown key" in bad.stderr, bad.stderr
+    assert not list(tmp_path.iterdir()), "a Prefect server was started"

@@ -1,8 +1,9 @@
 """deployments/prefect.yaml for real: server, `make deploy`, `make worker`, `prefect deployment run`, the UI.
 
-One Prefect stack serves the module (tests/deploy_support.py). Two on-demand runs start together on one host
-whose device (the CPU here) has a one-slot limit, so their training and evaluation must take turns; then the
-evaluation-only deployment scores the adapter one of them produced; then headless Chromium opens the UI.
+One Prefect stack serves the module (tests/deploy_support.py). First the typed `config` parameter: its schema,
+bad values refused by the server and by the run form in headless Chromium. Then two on-demand runs start together
+on one host whose device (the CPU here) has a one-slot limit, so their training and evaluation must take turns;
+then the evaluation-only deployment scores the adapter one of them produced; then headless Chromium opens the UI.
 Screenshots land in test-outputs/.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy_support import ROOT, chromium, running_stack, table_rows, visible_text
+from finetune_flows.config.parameters import config_parameter
+from tests.deploy_support import (PREFECT, ROOT, chromium, chromium_eval, demo_config, running_stack, table_rows,
+                                  visible_text)
 
 pytestmark = pytest.mark.slow
 
@@ -48,22 +52,33 @@ def deployments() -> list[dict]:
 # ---------------------------------------------------------------- the YAML itself (no server)
 
 
+def config_file(deployment: dict) -> str | None:
+    """The YAML file a deployment's build step loads into its typed `config` parameter (None: no such step)."""
+    params = deployment.get("parameters", {})
+    if "config" not in params:
+        return None
+    ((fqn, step),) = [item for step in deployment.get("build", []) for item in step.items()]
+    assert fqn == "finetune_flows.config.parameters.deployment_config"
+    assert params["config"] == "{{ " + step["id"] + ".config }}", "the parameter must be the step's output"
+    return step["path"]
+
+
 @pytest.mark.parametrize("deployment", deployments(), ids=lambda d: d["name"])
-def test_deployment_parameters_validate_against_the_config_model(deployment):
+def test_deployment_parameters_are_the_typed_config_of_a_yaml_file(deployment):
     import inspect
 
     from prefect.flows import load_flow_from_entrypoint
 
-    from finetune_flows.config.schema import load_config
+    from finetune_flows.config.schema import FinetuneConfig, load_config
 
     flow = load_flow_from_entrypoint(str(ROOT / deployment["entrypoint"]))
-    signature = inspect.signature(flow.fn)
+    signature = inspect.signature(flow.fn, eval_str=True)
     params = deployment.get("parameters", {})
     assert set(params) <= set(signature.parameters), f"unknown parameters {set(params) - set(signature.parameters)}"
-    config = params.get("config", signature.parameters["config"].default)
-    cfg = load_config(ROOT / config if config else None, params.get("overrides"))
+    assert signature.parameters["config"].annotation in (FinetuneConfig, FinetuneConfig | None)
+    config = config_file(deployment)
     if config:
-        data = cfg.data.source
+        data = load_config(ROOT / config).data.source
         assert data.startswith(("builtin:", "hub:")) or (ROOT / data).is_file(), f"{config} trains on missing {data}"
     assert deployment["work_pool"]["name"] == "finetune-gpu"
     required = {n for n, p in signature.parameters.items() if p.default is inspect.Parameter.empty}
@@ -76,7 +91,7 @@ def test_nightly_deployment_is_scheduled_with_a_timezone_and_names_its_data():
     assert len(schedule["cron"].split()) == 5 and schedule["timezone"] and schedule["active"] is True
     from finetune_flows.config.schema import load_config
 
-    assert load_config(ROOT / nightly["parameters"]["config"]).data.source == "data/nightly-tickets.jsonl"
+    assert load_config(ROOT / config_file(nightly)).data.source == "data/nightly-tickets.jsonl"
 
 
 def test_evaluate_refuses_a_directory_that_is_not_an_adapter(tmp_path, capsys):
@@ -133,7 +148,7 @@ def stack(tmp_path_factory):
 def two_runs(stack, tmp_path_factory):
     """Two on-demand runs triggered at once with `prefect deployment run`, each with its own cache."""
     tmps = [tmp_path_factory.mktemp(f"run{i}") for i in (1, 2)]
-    ids = [stack.deployment_run("finetune/on-demand", overrides=tiny_overrides(t, seed=i))
+    ids = [stack.deployment_run("finetune/on-demand", config=demo_config(tiny_overrides(t, seed=i)))
            for i, t in enumerate(tmps, 1)]
     runs = stack.wait_for(ids, timeout=420)
     return [(i, runs[i], t) for i, t in zip(ids, tmps)]
@@ -150,7 +165,7 @@ def test_deploy_creates_pool_deployments_and_device_limits(stack):
     (schedule,) = nightly.schedules
     assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == ("30 1 * * *", "Europe/Berlin",
                                                                                      True)
-    assert nightly.parameters == {"config": "configs/nightly.yaml", "overrides": []}
+    assert nightly.parameters == {"config": config_parameter(ROOT / "configs" / "nightly.yaml")}  # every key
     # the runs' environment is the pool's (its template fixes it: a run cannot set `env`)
     assert pool.base_job_template["job_configuration"]["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert "env" not in nightly.job_variables
@@ -169,6 +184,146 @@ def test_device_limits_are_created_idempotently(stack):
         limits = {n: client.read_global_concurrency_limit_by_name(n).limit
                   for n in ("device-other-host-gpu0", "device-other-host-gpu1", "device-other-host-cpu")}
     assert limits == dict.fromkeys(limits, 1), out
+
+
+# ---------------------------------------------------------------- the typed config in the API and the UI
+
+
+def flow_runs_of(stack, name: str) -> tuple[str, set[str]]:
+    """The deployment's id and the ids of every flow run it has, in any state."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with stack.client() as client:
+        deployment = client.read_deployment_by_name(name)
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+    return str(deployment.id), {str(r.id) for r in runs}
+
+
+def leaf_fields(model, prefix: str = ""):
+    """(key, description) of every non-section field of a config model."""
+    for name, field in model.model_fields.items():
+        if hasattr(field.annotation, "model_fields"):
+            yield from leaf_fields(field.annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field.description
+
+
+def test_the_deployment_schema_holds_every_section_and_key_with_its_description(stack):
+    from finetune_flows.config.schema import FinetuneConfig
+
+    with stack.client() as client:
+        schema = client.read_deployment_by_name("finetune/on-demand").parameter_openapi_schema
+    definitions = schema["definitions"]
+
+    def walk(model, node: dict, prefix: str = "") -> int:
+        assert node["additionalProperties"] is False, f"{prefix or 'config'} must refuse unknown keys"
+        checked = 0
+        for name, field in model.model_fields.items():
+            prop = node["properties"][name]
+            assert prop["title"] == name and prop["description"] == field.description, f"{prefix}{name}: {prop}"
+            if hasattr(field.annotation, "model_fields"):  # a section: a nested object of its own
+                checked += walk(field.annotation, definitions[prop["$ref"].rsplit("/", 1)[1]], f"{prefix}{name}.")
+            else:
+                checked += 1
+        return checked
+
+    config = schema["properties"]["config"]
+    assert "config" in schema["required"] and config["description"].startswith("The run configuration")
+    top = definitions[config["$ref"].rsplit("/", 1)[1]]
+    assert list(top["properties"]) == ["model", "data", "quantization", "lora", "train", "hardware", "eval",
+                                       "tracking", "export", "run"]
+    assert walk(FinetuneConfig, top) == len(list(leaf_fields(FinetuneConfig)))
+    train = definitions["TrainConfig"]["properties"]
+    assert (train["learning_rate"]["type"], train["learning_rate"]["exclusiveMinimum"]) == ("number", 0)
+
+
+def test_a_bad_config_value_is_refused_by_the_server_before_any_run_exists(stack):
+    """`prefect deployment run` sends the parameters as they are; the server checks them against the deployment's
+    schema (enforce_parameter_schema) and creates no flow run, so no worker ever sees one."""
+    import httpx
+
+    deployment_id, before = flow_runs_of(stack, "finetune/on-demand")
+    wrong_type = demo_config([])
+    wrong_type["train"]["learning_rate"] = "fast"
+    cases = [
+        (["--param", f"config={json.dumps(wrong_type)}"],
+         "'config.train.learning_rate'. Failure reason: 'fast' is not of type 'number'"),
+        (["--params", json.dumps({"config": {"train": {"max_steps": -7}}})],
+         "'config.train.max_steps'. Failure reason: -7 is less than the minimum of -1"),
+        (["--params", json.dumps({"config": {"train": {"learning_rat": 1e-4}}})],
+         "Additional properties are not allowed ('learning_rat' was unexpected)"),
+    ]
+    for argv, message in cases:
+        done = subprocess.run([PREFECT, "deployment", "run", "finetune/on-demand", *argv], cwd=ROOT, env=stack.env,
+                              capture_output=True, text=True, timeout=120)
+        said = " ".join((done.stdout + done.stderr).split())
+        assert done.returncode == 1 and message in said, said
+    reply = httpx.post(f"{stack.api_url}/deployments/{deployment_id}/create_flow_run", timeout=30,
+                       json={"parameters": {"config": {"lora": {"r": 0}}}})
+    assert reply.status_code == 409 and "'config.lora.r'" in reply.json()["detail"], reply.text
+    assert flow_runs_of(stack, "finetune/on-demand")[1] == before, "a refused run was created"
+
+
+def test_a_run_that_skips_the_servers_check_fails_on_the_models_own_validation(stack):
+    """A caller may create a run with `enforce_parameter_schema: false`; the flow process then validates the
+    parameter with the same model before the flow starts, so the run fails naming the key."""
+    import httpx
+
+    deployment_id, _ = flow_runs_of(stack, "finetune/on-demand")
+    reply = httpx.post(f"{stack.api_url}/deployments/{deployment_id}/create_flow_run", timeout=30, json={
+        "parameters": {"config": {"train": {"learning_rate": "fast"}}}, "enforce_parameter_schema": False})
+    assert reply.status_code == 201, reply.text
+    flow_run_id = reply.json()["id"]
+    run = stack.wait_for([flow_run_id], timeout=300)[flow_run_id]
+    assert run.state.type.value == "FAILED", run.state.message
+    assert "config.train.learning_rate" in run.state.message, run.state.message
+    assert not any(log.message.startswith("worker policy") for log in stack.logs_of(flow_run_id)), "the flow ran"
+
+
+SET_FIELD = """(() => {{
+  const label = [...document.querySelectorAll('label')].find(l => l.textContent.trim().startsWith('{key} '));
+  const input = document.getElementById(label.htmlFor);
+  Object.getOwnPropertyDescriptor(HTMLInputElement.prototype, 'value').set.call(input, '{value}');
+  input.dispatchEvent(new Event('input', {{bubbles: true}}));
+  input.dispatchEvent(new Event('change', {{bubbles: true}}));
+  label.scrollIntoView({{block: 'center'}});
+  return input.value;
+}})()"""
+
+
+def test_the_run_form_shows_the_config_and_refuses_a_bad_value(stack, tmp_path):
+    """The deployment's custom-run page in headless Chromium: every section and key with its description, the
+    deployment's values filled in; a negative learning rate is refused on Submit, by the form and by the server,
+    and no flow run is created. The screenshot is docs/images/prefect-ui-run-form.png."""
+    from finetune_flows.config.schema import FinetuneConfig
+
+    deployment_id, before = flow_runs_of(stack, "finetune/on-demand")
+    OUTPUTS.mkdir(exist_ok=True)
+    refused = "-0.001 is less than or equal to the minimum of 0"
+    server = "Error creating flow run: Validation failed for field 'config.train.learning_rate'"
+
+    def interact(page):
+        assert page.evaluate(SET_FIELD.format(key="learning_rate", value="-0.001")) == "-0.001"
+        page.evaluate("[...document.querySelectorAll('button')].find(b => b.textContent.trim() === 'Submit').click()")
+        page.wait(f"document.body.innerText.includes({json.dumps(refused)})")  # the form's own check
+        page.wait(f"document.body.innerText.includes({json.dumps(server)})")  # the server's answer
+        page.evaluate(SET_FIELD.format(key="learning_rate", value="-0.001"))  # centred for the screenshot
+        time.sleep(1)  # the message's fade-in
+        (OUTPUTS / "prefect-ui-run-form-refuses.png").write_bytes(page.screenshot())
+        time.sleep(3)  # a run, had one been created, would have navigated away by now
+
+    text, path = chromium_eval(
+        f"{stack.url}/v2/deployments/deployment/{deployment_id}/run", tmp_path / "form",
+        "[document.body.innerText, location.pathname]",
+        "document.body && document.body.innerText.includes('learning_rate')", window="1300,900", interact=interact)
+    text = " ".join(text.split())
+    for section, field in FinetuneConfig.model_fields.items():
+        assert f"{section} (Optional) {field.description}" in text, section
+    for key, description in leaf_fields(FinetuneConfig):
+        assert f"{key.rsplit('.', 1)[1]} (Optional) {' '.join(description.split())}" in text, key
+    assert refused in text and path.endswith(f"/deployments/deployment/{deployment_id}/run"), path
+    assert flow_runs_of(stack, "finetune/on-demand")[1] == before, "the form created a run with a bad value"
+    assert (OUTPUTS / "prefect-ui-run-form-refuses.png").stat().st_size > 20_000
 
 
 def test_on_demand_runs_complete_with_their_artifacts(stack, two_runs):
@@ -233,7 +388,8 @@ def test_evaluation_only_deployment_scores_an_existing_adapter(stack, two_runs):
     _, _, tmp = two_runs[0]
     (adapter,) = (tmp / "runs").glob("tiny-2*/adapter")  # runs/<run>/adapter, beside config.resolved.yaml
     flow_run_id = stack.deployment_run("evaluate/existing-adapter", adapter=str(adapter),
-                                       overrides=["eval.max_samples=4"])
+                                       config=config_parameter(adapter.parent / "config.resolved.yaml",
+                                                               ["eval.max_samples=4"]))
     run = stack.wait_for([flow_run_id], timeout=240)[flow_run_id]
     assert run.state.type.value == "COMPLETED", (run.state.message, stack.logs_of(flow_run_id)[-20:])
     assert run.name == f"tiny/tiny-llama eval {adapter.parent.name}"

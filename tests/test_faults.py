@@ -18,6 +18,7 @@ import pytest
 
 from fault_support import overrides
 from flows.finetune import finetune
+from finetune_flows.config.schema import load_config
 from finetune_flows.errors import DiskFull
 from finetune_flows.runtime.gpus import read_inventory
 from finetune_flows.runtime.lifecycle import FAULTS_ENV
@@ -42,8 +43,8 @@ def test_rank_sigkilled_at_a_random_step_resumes_to_the_same_final_step(prefect_
     marker = tmp_path / "killed"
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"sigkill_at_step": step, "sigkill_rank": victim, "once": str(marker)}))
     # save_total_limit=2: the checkpoint the retry resumes from is rotated out as training goes on (saves every 2 steps)
-    result = finetune(None, overrides(cache, tmp_path / "runs", **{
-        "train.seed": 100 + seed, "train.retries": 1, "hardware.cpu_processes": ranks, "train.save_total_limit": 2}))
+    result = finetune(load_config(None, overrides(cache, tmp_path / "runs", **{
+        "train.seed": 100 + seed, "train.retries": 1, "hardware.cpu_processes": ranks, "train.save_total_limit": 2})))
     assert marker.exists(), "the rank was never killed"
     train = result.train
     checkpoint = 2 * ((step - 1) // 2) or None  # the last one saved before the step the rank died in
@@ -61,7 +62,7 @@ def test_rank_sigkilled_at_a_random_step_resumes_to_the_same_final_step(prefect_
 
 def test_out_of_memory_halves_the_micro_batch_and_finishes(prefect_server, cache, tmp_path, monkeypatch):
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"oom_at_step": 3, "oom_below_split": 2}))
-    result = finetune(None, overrides(cache, tmp_path / "runs", **{"train.seed": 201, "train.retries": 0}))
+    result = finetune(load_config(None, overrides(cache, tmp_path / "runs", **{"train.seed": 201, "train.retries": 0})))
     train = result.train
     assert train.steps == 8 and train.micro_batch_split == 2
     assert [a["outcome"] for a in train.attempts] == ["out of memory", "completed"]
@@ -104,7 +105,7 @@ def test_full_disk_while_saving_a_checkpoint_is_one_clear_error_and_loses_nothin
     args = overrides(own, tmp_path / "runs", **{"train.seed": 401, "train.retries": 2})
 
     with pytest.raises(DiskFull) as info:
-        finetune(None, args)
+        finetune(load_config(None, args))
     message = str(info.value)
     assert "no space left on the device" in message and "\n" not in message, message
     print(f"FAULT full disk: {message}")
@@ -117,7 +118,7 @@ def test_full_disk_while_saving_a_checkpoint_is_one_clear_error_and_loses_nothin
     assert len(attempts) == 1, "a full disk was retried"
 
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
-    result = finetune(None, args)
+    result = finetune(load_config(None, args))
     assert result.train.resumed_from_step == saved[-1] and result.train.steps == 8
 
 
@@ -131,12 +132,12 @@ def test_absurd_micro_batch_on_a_gpu_runs_out_of_memory_adapts_and_finishes(pref
     logits (150k vocabulary) and their gradients do not fit an H200, so CUDA runs out of memory until the
     micro-batch is cut. Seen on an H200: 64k-token pieces ran out of memory (37 GiB asked with 134 GiB in use),
     32k-token pieces trained; starting at 64k makes that one adaptation, not two (each costs a worker start)."""
-    result = finetune(None, [
+    result = finetune(load_config(None, [
         "model.source=generated:qwen3-0.6b", "hardware.gpus=auto:1", "data.builtin_examples=3400",
         "data.max_length=128", "train.per_device_batch_size=1700", "train.micro_batch_tokens=65536",
         "train.gradient_checkpointing=false", "train.liger_kernel=false", "train.max_steps=2", "train.save_steps=1",
         "train.logging_steps=1", "train.retries=0", "eval.max_samples=4", "eval.batch_size=4",
-        f"run.cache_dir={gpu_cache}", f"run.output_dir={tmp_path / 'runs'}"])
+        f"run.cache_dir={gpu_cache}", f"run.output_dir={tmp_path / 'runs'}"]))
     train = result.train
     assert train.steps == 2 and train.micro_batch_split >= 2 and train.oom_adaptations
     assert all("out of memory" in a["message"].lower() for a in train.oom_adaptations)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune_flows.config.schema import load_config
 from conftest import child_env
 from fault_support import device_slot, overrides, start_cli, training_in_progress
 from flows.finetune import finetune
@@ -87,7 +88,7 @@ def test_signal_to_the_flow_process_stops_every_worker_frees_the_slot_and_the_ne
         cache, tmp_path, device_slots, sig):
     args, step = stop_a_cli_run(cache, tmp_path, sig, device_slots, seed=500 + sig)
     if sig == signal.SIGTERM:  # the next run resumes from that checkpoint and finishes
-        result = finetune(None, args)
+        result = finetune(load_config(None, args))
         assert result.train.resumed_from_step == step and result.train.steps == 60
         first, last = result.train.attempts[0], result.train.attempts[-1]
         assert first["tokens"] > 0 and result.train.train_tokens == first["tokens"] + last["tokens"] == (
@@ -105,7 +106,7 @@ def test_sigterm_stops_every_gpu_rank_at_the_same_step_and_the_next_run_resumes(
     args, step = stop_a_cli_run(cache, tmp_path, signal.SIGTERM, device_slots, seed=801,
                                 env={FAULTS_ENV: json.dumps({"step_seconds": 0.2})},
                                 **{"hardware.gpus": "auto", "train.compile": False})
-    result = finetune(None, args)
+    result = finetune(load_config(None, args))
     assert result.train.resumed_from_step == step and result.train.rank_steps == [60] * len(read_inventory())
 
 
@@ -116,7 +117,7 @@ def test_sigterm_stops_every_gpu_rank_at_the_same_step_and_the_next_run_resumes(
 def warm_cache(prefect_server, cache, tmp_path_factory):
     """Every step of the concurrent runs already in the cache, so they contend only for Prefect itself."""
     args = overrides(cache, tmp_path_factory.mktemp("warm-runs"), **{"train.seed": 601})
-    finetune(None, args)
+    finetune(load_config(None, args))
     return args
 
 

@@ -14,6 +14,7 @@ import pytest
 from fault_support import overrides, training_in_progress
 from finetune_flows.runtime.processes import ProcessId, parent_of, wait_gone
 from finetune_flows.training.checkpoints import checkpoint_is_complete
+from tests.deploy_support import demo_config
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,7 @@ def deployment_training(stack, cache: Path, tmp_path: Path, seed: int, save_step
     """An on-demand deployment run of 60 steps, returned once it trains: (overrides, flow run id, output, rank 0)."""
     args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": save_steps,
                                                   "train.seed": seed, "hardware.gpus": "cpu"})
-    run_id = stack.deployment_run("finetune/on-demand", overrides=args)
+    run_id = stack.deployment_run("finetune/on-demand", config=demo_config(args))
     return (args, run_id, *training_in_progress(cache, seed, min_step=3))
 
 
@@ -78,7 +79,7 @@ def test_cancel_through_the_api_stops_every_worker_frees_the_slot_and_the_next_r
     step = int(saved.name.split("-")[1])
     print(f"FAULT cancel via API: all processes gone {took:.1f} s after `prefect flow-run cancel`; checkpoint-{step}")
 
-    again = stack.deployment_run("finetune/on-demand", overrides=args)
+    again = stack.deployment_run("finetune/on-demand", config=demo_config(args))
     assert finished_state(stack, again) == "COMPLETED", stack.logs_of(again)[-20:]
     metrics = json.loads((out / "train_metrics.json").read_text())
     assert metrics["resumed_from_step"] == step and metrics["steps"] == 60
@@ -89,7 +90,7 @@ def test_a_server_restart_during_training_the_run_finishes_or_resumes(stack, cac
     stack.restart_server(down_seconds=10)
     state = finished_state(stack, run_id)
     if state != "COMPLETED":  # the run could not report to the server: the next one must pick up its checkpoints
-        again = stack.deployment_run("finetune/on-demand", overrides=args)
+        again = stack.deployment_run("finetune/on-demand", config=demo_config(args))
         assert finished_state(stack, again) == "COMPLETED", stack.logs_of(again)[-20:]
     metrics = json.loads((out / "train_metrics.json").read_text())
     assert metrics["steps"] == 60

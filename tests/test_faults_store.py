@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, child_env, tiny_overrides
+from conftest import REPO, child_env, tiny_config, tiny_overrides
 from flows.finetune import finetune
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ ALL_STEPS = ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluat
 @pytest.fixture(scope="module")
 def first_run(prefect_server, tmp_path_factory):
     cache, runs = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("runs")
-    return finetune(None, tiny_overrides(cache, runs)), cache, runs
+    return finetune(tiny_config(cache, runs)), cache, runs
 
 
 def entry_of(path: Path) -> Path:
@@ -38,12 +38,12 @@ def test_truncated_completion_marker_is_recomputed(first_run):
     eval_manifest = entry_of(Path(result.eval.path)) / "manifest.json"
     eval_manifest.write_text(eval_manifest.read_text()[:30])
 
-    again = finetune(None, tiny_overrides(cache, runs))
+    again = finetune(tiny_config(cache, runs))
     assert again.cached_steps == ["prepare-dataset", "quantize-base-model"]
     assert again.train.steps == 6 and again.train.resumed_from_step == 6  # from its last complete checkpoint
     assert json.loads(metrics.read_text())["steps"] == 6 and json.loads(eval_manifest.read_text())["files"]
     assert again.eval.adapter.loss == pytest.approx(result.eval.adapter.loss, rel=1e-6)
-    assert finetune(None, tiny_overrides(cache, runs)).cached_steps == ALL_STEPS  # whole again
+    assert finetune(tiny_config(cache, runs)).cached_steps == ALL_STEPS  # whole again
     assert latest_task_run_states() == dict.fromkeys(ALL_STEPS, "Cached")  # what the Prefect UI shows
 
 
@@ -63,7 +63,7 @@ def test_four_bit_checkpoint_missing_its_weights_is_not_complete(first_run):
     result, cache, runs = first_run
     quantized = Path(json.loads((Path(result.train.output_dir) / "train.job.json").read_text())["base"])
     (quantized / "model.safetensors").unlink()  # config.json is still there
-    again = finetune(None, tiny_overrides(cache, runs))
+    again = finetune(tiny_config(cache, runs))
     assert "quantize-base-model" not in again.cached_steps and (quantized / "model.safetensors").is_file()
     assert again.train.steps == 6
 
@@ -92,9 +92,9 @@ def test_a_pickled_payload_in_the_result_storage_is_never_executed(first_run, tm
     planted = {p for p in storage.rglob("*") if p.is_file()}
     assert len(planted) >= 4
 
-    again = finetune(None, tiny_overrides(cache, runs))
+    again = finetune(tiny_config(cache, runs))
     assert again.cached_steps == ALL_STEPS
-    fresh = finetune(None, tiny_overrides(cache, runs, **{"train.learning_rate": 2e-3}))  # new train + eval entries
+    fresh = finetune(tiny_config(cache, runs, **{"train.learning_rate": 2e-3}))  # new train + eval entries
     assert fresh.cached_steps == ["prepare-dataset", "quantize-base-model"]
     assert not marker.exists()
     assert {p for p in storage.rglob("*") if p.is_file()} == planted  # no run wrote a result either

@@ -191,7 +191,7 @@ def test_two_cpu_runs_with_one_config_train_the_same_adapter_bytes(prefect_serve
     from flows.finetune import finetune
 
     overrides = tiny_overrides(tmp_path / "cache", tmp_path / "runs", **{"lora.dropout": 0.1})
-    first = finetune(None, overrides)
+    first = finetune(load_config(None, overrides))
     adapter = (first.adapter_path / "adapter_model.safetensors").read_bytes()
     assert first.eval.held_out_removed == 0 and "Base model: exact match" in first.eval.explanation
     assert (f"held out: {first.eval.eval_rows} rows evaluated; 0 held-out row(s) removed as copies of training "
@@ -199,7 +199,7 @@ def test_two_cpu_runs_with_one_config_train_the_same_adapter_bytes(prefect_serve
     assert set(first.eval.rates["adapter"]) == {"exact_match", "contains"}
     shutil.rmtree(Path(first.train.output_dir))  # forget the adapter (and its checkpoints): train from scratch
 
-    second = finetune(None, overrides)
+    second = finetune(load_config(None, overrides))
     assert "train-adapter" not in second.cached_steps
     assert (second.adapter_path / "adapter_model.safetensors").read_bytes() == adapter
     assert "evaluate-adapter" in second.cached_steps  # same adapter bytes, so the same evaluation key

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import tiny_overrides
+from conftest import tiny_config
 from flows.finetune import finetune, main
 from finetune_flows.errors import DataError
 from finetune_flows.reporting.summary import render_summary
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def first_run(prefect_server, shared_cache, tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
     started = time.perf_counter()
-    result = finetune(None, tiny_overrides(shared_cache / "pipeline", runs, **{"export.merge": True}))
+    result = finetune(tiny_config(shared_cache / "pipeline", runs, **{"export.merge": True}))
     return result, runs, time.perf_counter() - started
 
 
@@ -68,7 +68,7 @@ def test_whole_flow_produces_an_evaluated_adapter(first_run):
 def test_second_identical_run_is_served_from_cache(first_run, shared_cache):
     result, runs, first_seconds = first_run
     started = time.perf_counter()
-    again = finetune(None, tiny_overrides(shared_cache / "pipeline", runs))
+    again = finetune(tiny_config(shared_cache / "pipeline", runs))
     seconds = time.perf_counter() - started
     assert again.cached_steps == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter"]
     assert again.run_dir != result.run_dir and (result.run_dir / "summary.json").is_file()  # earlier run untouched
@@ -79,19 +79,19 @@ def test_second_identical_run_is_served_from_cache(first_run, shared_cache):
 
 def test_changing_a_training_hyperparameter_retrains_only(first_run, shared_cache):
     _, runs, _ = first_run
-    changed = finetune(None, tiny_overrides(shared_cache / "pipeline", runs, **{"train.learning_rate": 5e-4}))
+    changed = finetune(tiny_config(shared_cache / "pipeline", runs, **{"train.learning_rate": 5e-4}))
     assert changed.cached_steps == ["prepare-dataset", "quantize-base-model"]
 
 
 def test_another_evaluation_backend_reevaluates_the_same_adapter_without_retraining(first_run, shared_cache):
     result, runs, _ = first_run
-    eager = finetune(None, tiny_overrides(shared_cache / "pipeline", runs, **{"eval.attn_implementation": "eager"}))
+    eager = finetune(tiny_config(shared_cache / "pipeline", runs, **{"eval.attn_implementation": "eager"}))
     assert eager.cached_steps == ["prepare-dataset", "quantize-base-model", "train-adapter"]
     assert eager.train.output_dir == result.train.output_dir  # the very adapter the sdpa evaluation scored
     assert (eager.eval.attn_implementation, result.eval.attn_implementation) == ("eager", "sdpa")
     assert eager.eval.adapter.loss == pytest.approx(result.eval.adapter.loss, rel=1e-4)
     # written as the backend it resolves to, the evaluation is the cached sdpa one
-    same = finetune(None, tiny_overrides(shared_cache / "pipeline", runs, **{"eval.attn_implementation": "sdpa"}))
+    same = finetune(tiny_config(shared_cache / "pipeline", runs, **{"eval.attn_implementation": "sdpa"}))
     assert same.cached_steps[-1] == "evaluate-adapter" and same.eval.path == result.eval.path
 
 
@@ -100,7 +100,7 @@ def test_deleted_cache_outputs_are_rebuilt_not_trusted(first_run, shared_cache):
 
     result, runs, _ = first_run
     shutil.rmtree(Path(result.eval.path).parent)
-    again = finetune(None, tiny_overrides(shared_cache / "pipeline", runs))
+    again = finetune(tiny_config(shared_cache / "pipeline", runs))
     assert "evaluate-adapter" not in again.cached_steps and Path(again.eval.path).is_file()
 
 
@@ -109,7 +109,7 @@ def test_bad_data_row_stops_before_any_model_is_loaded(prefect_server, shared_ca
     data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c"}\n')
     cache = tmp_path / "cache"
     with pytest.raises(DataError, match=r"tickets.jsonl: 1 malformed row\(s\): line 2"):
-        finetune(None, tiny_overrides(cache, tmp_path / "runs", **{"data.source": str(data)}))
+        finetune(tiny_config(cache, tmp_path / "runs", **{"data.source": str(data)}))
     assert not (cache / "quantized").exists() and not (cache / "adapters").exists()
 
 
@@ -196,8 +196,8 @@ def test_consecutive_runs_are_compared_in_the_ui_and_on_the_command_line(first_r
 
     from finetune_flows.reporting.compare import main as compare
 
-    first = finetune(None, tiny_overrides(shared_cache / "pipeline", tmp_path))
-    second = finetune(None, tiny_overrides(shared_cache / "pipeline", tmp_path, **{"train.learning_rate": 5e-4}))
+    first = finetune(tiny_config(shared_cache / "pipeline", tmp_path))
+    second = finetune(tiny_config(shared_cache / "pipeline", tmp_path, **{"train.learning_rate": 5e-4}))
     assert first.previous_run is None and second.previous_run == first.run_dir
     text = (second.run_dir / "comparison.md").read_text()
     assert f"Previous run: `{first.run_dir.name}`" in text

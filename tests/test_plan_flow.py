@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import tiny_config
 from finetune_flows.config.plan import worker_config
 from finetune_flows.config.schema import load_config
 from finetune_flows.models.sources import ARCHS
@@ -122,7 +122,7 @@ def flow_run(prefect_server, tmp_path_factory):
         mp.setenv(PROBE_DIR_ENV, str(tmp / "probes"))
         mp.syspath_prepend(str(fake))
         mp.delitem(sys.modules, "pynvml", raising=False)  # this process's NVML: the fake
-        result = finetune(None, tiny_overrides(tmp / "cache", tmp / "runs", **{"export.merge": True}))
+        result = finetune(tiny_config(tmp / "cache", tmp / "runs", **{"export.merge": True}))
     finally:
         mp.undo()
         sys.modules.pop("pynvml", None)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from finetune_flows.data.demo import ticket_triage
-from tests.deploy_support import PREFECT, PrefectStack
+from tests.deploy_support import PREFECT, PrefectStack, demo_config
 
 pytestmark = pytest.mark.slow
 
@@ -82,9 +82,9 @@ def refusals(host: Path) -> dict[str, tuple[dict[str, str], str]]:
 @pytest.fixture(scope="module")
 def runs(stack, host):
     """Every refused run and the allowed one, triggered together with `prefect deployment run`."""
-    ids = {name: stack.deployment_run("finetune/on-demand", overrides=tiny(host, **overrides))
+    ids = {name: stack.deployment_run("finetune/on-demand", config=demo_config(tiny(host, **overrides)))
            for name, (overrides, _) in refusals(host).items()}
-    ids["allowed"] = stack.deployment_run("finetune/on-demand", overrides=tiny(host))
+    ids["allowed"] = stack.deployment_run("finetune/on-demand", config=demo_config(tiny(host)))
     # a caller's own policy (remote code allowed) through a job variable, for a run that needs remote code
     swapped = PrefectStack.write_policy(host / "callers-policy.yaml", {
         "remote_code": True, "data_roots": [host / "data"], "output_roots": [host / "runs"],
@@ -93,13 +93,13 @@ def runs(stack, host):
     # variables (POST /flow_runs/ does not check them) reaches the worker with both: the worker must refuse the run
     # before any process starts (Prefect's own process worker would put the caller's PYTHONPATH, whose
     # sitecustomize.py runs at interpreter start, in the flow process's environment)
-    ids["policy-swap"] = created_past_the_check(stack, "finetune/on-demand", overrides=tiny(host, **{
-        "model.trust_remote_code": "true"}), job_variables={
+    ids["policy-swap"] = created_past_the_check(stack, "finetune/on-demand", config=demo_config(tiny(host, **{
+        "model.trust_remote_code": "true"})), job_variables={
             "env": {"FINETUNE_FLOWS_POLICY": str(swapped), "PYTHONPATH": str(planted(host, "policy-swap"))},
             "command": f"touch {host / 'marker-api'}"})
     # the same through a dotted name, which Prefect's worker also merges into `env`
-    ids["env-dotted"] = created_past_the_check(stack, "finetune/on-demand", overrides=tiny(host), job_variables={
-        "env.PYTHONPATH": str(planted(host, "env-dotted"))})
+    ids["env-dotted"] = created_past_the_check(stack, "finetune/on-demand", config=demo_config(tiny(host)),
+                                               job_variables={"env.PYTHONPATH": str(planted(host, "env-dotted"))})
     finished = stack.wait_for(list(ids.values()), timeout=900)
     return {name: (i, finished[i]) for name, i in ids.items()}
 
@@ -236,7 +236,7 @@ def test_a_pool_template_changed_through_the_api_keeps_the_worker_from_starting_
     stack.run([PREFECT, "work-pool", "update", "finetune-gpu", "--base-job-template", str(template)])
     try:
         time.sleep(35)  # the worker reads the pool again at its next heartbeat (every 30 s)
-        flow_run_id = stack.deployment_run("finetune/on-demand", overrides=tiny(host), job_variables={
+        flow_run_id = stack.deployment_run("finetune/on-demand", config=demo_config(tiny(host)), job_variables={
             "env": {"PYTHONPATH": str(planted(host, "pool-changed"))}})
         run = stack.wait_for([flow_run_id], timeout=300)[flow_run_id]
     finally:

@@ -6,12 +6,14 @@ The CLI cases run the real `python flows/finetune.py` in a subprocess with a fre
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import child_env
 from finetune_flows.config.schema import load_config
@@ -45,8 +47,8 @@ def test_a_probe_directory_that_is_a_file_is_named_before_anything_runs(tmp_path
     (tmp_path / "probes").write_text("not a directory")
     monkeypatch.setenv(PROBE_DIR_ENV, str(tmp_path / "probes"))
     with pytest.raises(UserInputError, match=f"{PROBE_DIR_ENV}={tmp_path / 'probes'}: {tmp_path / 'probes'} is a file"):
-        preflight(None, ["model.source=generated:tiny-llama", f"run.cache_dir={tmp_path / 'c'}",
-                         f"run.output_dir={tmp_path / 'runs'}"])
+        preflight(load_config(None, ["model.source=generated:tiny-llama", f"run.cache_dir={tmp_path / 'c'}",
+                                     f"run.output_dir={tmp_path / 'runs'}"]))
 
 def test_cli_names_the_line_of_a_row_that_is_not_utf8(tmp_path):
     data = tmp_path / "tickets.jsonl"
@@ -142,12 +144,13 @@ def test_flows_run_the_same_preflight(tmp_path):
     from flows.finetune import finetune
 
     with pytest.raises(ConfigError, match="train.optimizer=adamw_turbo"):
-        finetune.fn(None, [f"run.output_dir={tmp_path / 'runs'}", "train.optimizer=adamw_turbo"])
+        finetune.fn(load_config(None, [f"run.output_dir={tmp_path / 'runs'}", "train.optimizer=adamw_turbo"]))
     assert not (tmp_path / "runs").exists()
 
 
 def test_short_runs_and_retry_bounds():
-    cfg = preflight(ROOT / "configs/demo.yaml", ["train.max_steps=5", "hardware.gpus=cpu"])  # save_steps is 10
+    # demo.yaml saves every 10 steps
+    cfg = preflight(load_config(ROOT / "configs/demo.yaml", ["train.max_steps=5", "hardware.gpus=cpu"]))
     assert cfg.train.max_steps == 5
     with pytest.raises(ConfigError, match="train.retries"):
         load_config(None, ["train.retries=51"])  # Prefect refuses more than 50 retry delays
@@ -171,3 +174,67 @@ def test_lora_targets_are_checked_against_the_models_module_names(tmp_path):
         check_lora_targets(tmp_path, ["q_proj", "query_key_value"])
     assert "no module named query_key_value" in str(info.value)
     assert "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in str(info.value)
+
+
+READS_PROBE = r"""
+import json, os, runpy, sys
+from collections import Counter
+
+config, data, out = (os.path.abspath(p) for p in sys.argv[1:4])
+opens = Counter()
+
+
+def hook(event, args):
+    if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
+        return
+    path = os.path.abspath(os.fsdecode(args[0]))
+    if path not in (config, data):
+        return
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_code.co_name))
+        frame = frame.f_back
+    if path == config:
+        opens["config"] += 1
+    elif any(name == "read_rows" for _, name in frames):
+        checks = any(f.endswith(os.path.join("config", "preflight.py")) for f, _ in frames)
+        opens["data rows, checks" if checks else "data rows, dataset step"] += 1
+
+
+sys.addaudithook(hook)
+sys.argv = ["flows/finetune.py", "--config", config]
+try:
+    runpy.run_path("flows/finetune.py", run_name="__main__")
+except SystemExit as exc:
+    opens["exit"] = exc.code
+with open(out, "w") as f:
+    json.dump(opens, f)
+"""
+
+
+@pytest.mark.slow
+def test_a_local_run_parses_its_config_once_and_checks_each_data_row_once(tmp_path):
+    """`python flows/finetune.py --config X.yaml`, counted by an audit hook on every file the process opens: the
+    config file is read once (the CLI builds the typed config and passes it to the flow, which does not parse it
+    again, nor to name the run), and the checks before the run read the data rows once (the flow does not repeat
+    the CLI's preflight); the dataset step reads them once more, to tokenize."""
+    from finetune_flows.data.demo import ticket_triage
+
+    data = tmp_path / "tickets.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ticket_triage(120, seed=3)))
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"source": "generated:tiny-llama"},
+        "data": {"source": str(data), "format": "instruction", "max_length": 128},
+        "train": {"max_steps": 2, "save_steps": 2, "per_device_batch_size": 4, "retry_delay_seconds": 0},
+        "eval": {"max_samples": 4, "max_new_tokens": 4, "batch_size": 4},
+        "hardware": {"gpus": "cpu"}, "export": {"merge": False},
+        "run": {"name": "reads", "output_dir": str(tmp_path / "runs"), "cache_dir": str(tmp_path / "cache")}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env = child_env(env, PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    counts = tmp_path / "counts.json"
+    done = subprocess.run([sys.executable, "-c", READS_PROBE, str(config), str(data), str(counts)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert counts.is_file(), done.stderr[-3000:]
+    assert json.loads(counts.read_text()) == {"config": 1, "data rows, checks": 1, "data rows, dataset step": 1,
+                                              "exit": 0}, done.stderr[-3000:]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, child_env, tiny_overrides
+from conftest import REPO, child_env, tiny_config, tiny_overrides
 from flows.finetune import finetune
 from finetune_flows.config.schema import load_config
 from finetune_flows.training.distributed import agreed_checkpoint, fingerprint_parts, torchrun_command, train_command
@@ -157,7 +157,7 @@ def test_fsdp_on_two_ranks_matches_ddp_resumes_after_a_killed_rank_and_saves_the
     # rank 1 also writes its part of each checkpoint late: checkpoint-3 must still be complete when rank 1 dies
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"sigkill_at_step": 5, "sigkill_rank": 1, "once": str(marker),
                                                "rng_save_seconds": 1}))
-    result = finetune(None, tiny_overrides(shared_cache / "scale", tmp_path, **{
+    result = finetune(tiny_config(shared_cache / "scale", tmp_path, **{
         "hardware.cpu_processes": 2, "hardware.strategy": "fsdp", "train.retries": 1, "export.merge": False}))
     train, reference = result.train, two_rank_reference.train
     assert marker.exists(), "rank 1 was never killed"

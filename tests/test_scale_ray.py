@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune_flows.config.schema import load_config
 from conftest import REPO, kill_rank_after_checkpoint, tiny_overrides
 from flows.finetune import finetune
 from scale_support import assert_same_curve
@@ -97,7 +98,7 @@ def latest_artifact_keys() -> set[str]:
 
 @pytest.mark.timeout(1200)
 def test_ray_train_on_two_nodes_matches_two_rank_torchrun(two_rank_reference, ray_cluster, shared_cache, tmp_path):
-    result = finetune(None, ray_overrides(shared_cache / "scale", tmp_path, ray_cluster))
+    result = finetune(load_config(None, ray_overrides(shared_cache / "scale", tmp_path, ray_cluster)))
     train, reference = result.train, two_rank_reference.train
     assert train.fingerprint != reference.fingerprint  # trained anew, not served from the torchrun run's cache
     assert train.world_size == 2 and train.backend == "gloo" and train.rank_steps == [6, 6]
@@ -120,7 +121,7 @@ def test_killed_ray_worker_fails_the_attempt_and_the_retry_resumes(prefect_serve
     # a Ray Train worker (rank 1, on the second raylet) dies once Ray has kept a checkpoint
     thread, killed = kill_rank_after_checkpoint(cache / "adapters", 1,
                                                 "ray/train/checkpoint_*/checkpoint/trainer_state.json", timeout=900)
-    result = finetune(None, overrides)
+    result = finetune(load_config(None, overrides))
     thread.join(timeout=5)
     assert killed, "no Ray worker was killed"
     train = result.train

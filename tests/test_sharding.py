@@ -142,7 +142,7 @@ def test_fsdp_on_two_gpus_shards_the_bf16_stored_base_and_matches_ddp(prefect_se
 
     from safetensors.torch import load_file
 
-    from conftest import tiny_overrides
+    from conftest import tiny_config
     from flows.finetune import finetune
     from finetune_flows.runtime.lifecycle import FAULTS_ENV
 
@@ -151,10 +151,10 @@ def test_fsdp_on_two_gpus_shards_the_bf16_stored_base_and_matches_ddp(prefect_se
     common = {"model.source": model, "data.builtin_examples": 600, "train.max_steps": 12, "train.save_steps": 6,
               "train.learning_rate": 2e-4, "train.retries": 1, "export.merge": False, "hardware.gpus": "0,1"}
     cache = gpu_cache
-    ddp = finetune(None, tiny_overrides(cache, tmp_path / "ddp", **common)).train
+    ddp = finetune(tiny_config(cache, tmp_path / "ddp", **common)).train
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"sigkill_at_step": 9, "sigkill_rank": 1,
                                                "once": str(tmp_path / "killed")}))
-    result = finetune(None, tiny_overrides(cache, tmp_path / "fsdp", **common, **{"hardware.strategy": "fsdp"}))
+    result = finetune(tiny_config(cache, tmp_path / "fsdp", **common, **{"hardware.strategy": "fsdp"}))
     fsdp = result.train
     assert (fsdp.strategy, fsdp.backend, fsdp.rank_steps, fsdp.resumed_from_step) == ("fsdp", "nccl", [12, 12], 6)
     assert all(f < 0.6 * d for f, d in zip(fsdp.rank_param_mb, ddp.rank_param_mb)), (fsdp.rank_param_mb,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import tiny_config
 from deploy_support import free_port, stop
 from finetune_flows.config.schema import load_config
 from finetune_flows.errors import ConfigError
@@ -53,7 +53,7 @@ def tracked_run(prefect_server, shared_cache, mlflow_server, tmp_path_factory):
     from flows.finetune import finetune
 
     runs = tmp_path_factory.mktemp("runs")
-    return finetune(None, tiny_overrides(shared_cache / "pipeline", runs, **{
+    return finetune(tiny_config(shared_cache / "pipeline", runs, **{
         "tracking.mlflow_uri": mlflow_server, "tracking.mlflow_experiment": "finetune-flows-tests"}))
 
 

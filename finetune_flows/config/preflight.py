@@ -1,14 +1,15 @@
 """Everything about a run that can be checked without loading a model: in seconds, before a Prefect server starts.
 
 The CLI runs it first, so bad input is one message and exit status 2, with no traceback and no run directory left
-behind; the flows run it again first thing, because a deployment run has no CLI. Checked: the config (every key,
-and combinations), the model source (names and files, no weights; custom code only when trusted), every row of the
-data files (an encoding error names its line) and their split (rows to train on, held-out rows left once copies of
-training prompts are removed), the GPUs through NVML (ids, CUDA_VISIBLE_DEVICES, MIG; no torch, no CUDA context),
-what the attention backend needs from the machine, the optimizer name, the experiment trackers (installed, an MLflow
-server answering), and that the run and cache directories (and $FINETUNE_FLOWS_PROBE_DIR, where set) can be
-created. LoRA target modules need the model's module names: `check_lora_targets` builds the model on the meta
-device from its config.json (no weights) before training launches.
+behind; a flow runs it first thing unless the CLI did in its process (a deployment run has no CLI), so it runs
+once per run. Checked: the config's combinations (its keys were validated when the typed config was built), the
+model source (names and files, no weights; custom code only when trusted), every row of the data files (an
+encoding error names its line) and their split (rows to train on, held-out rows left once copies of training
+prompts are removed), the GPUs through NVML (ids, CUDA_VISIBLE_DEVICES, MIG; no torch, no CUDA context), what the
+attention backend needs from the machine, the optimizer name, the experiment trackers (installed, an MLflow server
+answering), and that the run and cache directories (and $FINETUNE_FLOWS_PROBE_DIR, where set) can be created.
+LoRA target modules need the model's module names: `check_lora_targets` builds the model on the meta device from
+its config.json (no weights) before training launches.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from finetune_flows.config.schema import FinetuneConfig
+from finetune_flows.config.schema import FinetuneConfig, check_config
 from finetune_flows.data.dataset import normalize, read_rows, split
 from finetune_flows.errors import ConfigError, DataError, EnvironmentMismatch, UserInputError
 from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
 from finetune_flows.models.sources import check_model_source
-from finetune_flows.runtime.policy import checked_config
+from finetune_flows.runtime.policy import allowed_config
 from finetune_flows.reporting.tracking import tracking_problems
 from finetune_flows.runtime.environment import PROBE_DIR_ENV, probe_dir
 
@@ -33,12 +34,28 @@ FLASH_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash
                   "flash_attention_4": "flash-attn-4"}
 
 
-def preflight(config: str | Path | None, overrides: list[str] | None = None,
-              inventory: list[GpuInfo] | None = None) -> FinetuneConfig:
-    """The validated config, or a UserInputError naming every problem found (the data's first). The worker
+_checked_here: set[str] = set()  # fingerprints of the configs this process's CLI checked before their run
+
+
+def preflight(cfg: FinetuneConfig, inventory: list[GpuInfo] | None = None) -> FinetuneConfig:
+    """The config once checked, or a UserInputError naming every problem found (the data's first). The worker
     host's policy (finetune_flows/runtime/policy.py) is applied first, so a refused run reads and writes nothing.
-    `inventory`: the flow run's reading of the GPUs (read here where the caller has none)."""
-    cfg = checked_config(config, overrides)
+    A config the CLI checked in this process (`cli_preflight`) is not checked again by its flow. `inventory`: the
+    flow run's reading of the GPUs (read here where the caller has none)."""
+    if cfg.fingerprint() in _checked_here:
+        return cfg
+    return _check(cfg, inventory)
+
+
+def cli_preflight(cfg: FinetuneConfig) -> FinetuneConfig:
+    """The CLI's check, before a Prefect server starts; the flow this process then runs on it skips its own."""
+    cfg = _check(cfg)
+    _checked_here.add(cfg.fingerprint())
+    return cfg
+
+
+def _check(cfg: FinetuneConfig, inventory: list[GpuInfo] | None = None) -> FinetuneConfig:
+    cfg = allowed_config(check_config(cfg))
     check_model_source(cfg.model.source, cfg.model.trust_remote_code)
     check_data(cfg)
     check_directories(cfg)

@@ -1,7 +1,9 @@
-"""The run configuration: one typed model whose field descriptions are the reference (`--help-config`).
+"""The run configuration: one typed model whose field descriptions are the reference, wherever it is shown.
 
-A run is described by one YAML file in `configs/` plus `--set key=value` overrides. `load_config` reports every
-problem at once (unknown keys, wrong types, impossible combinations) before anything heavy happens.
+A run is described by one YAML file in `configs/` plus `--set key=value` overrides, or by a flow run's `config`
+parameter (this model as JSON). `load_config` reports every problem at once (unknown keys, wrong types, impossible
+combinations) before anything heavy happens. The descriptions are the one source of `--help-config`,
+docs/config-reference.md and the Prefect run form; they make this module longer than ~450 lines.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ GPU_SPEC = re.compile(r"^(auto|auto:[1-9][0-9]*|cpu|none|[0-9]+(,[0-9]+)*)$")
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Titles are the keys themselves, so the Prefect run form names each field as YAML and `--set` do.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, field_title_generator=lambda name, _: name)
 
     def fingerprint(self) -> str:
         """A stable hash of this section's values, used in cache keys."""
@@ -396,16 +399,24 @@ class RunConfig(Section):
 
 
 class FinetuneConfig(Section):
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    hardware: HardwareConfig = Field(default_factory=HardwareConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    export: ExportConfig = Field(default_factory=ExportConfig)
-    run: RunConfig = Field(default_factory=RunConfig)
+    """A fine-tune run's configuration: `configs/*.yaml` plus `--set` overrides, or a flow run's `config`."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The base model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="The training data and its held-out split.")
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig,
+                                             description="How the base model is quantized (QLoRA).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="The LoRA adapter.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Training: steps, schedule, batches, "
+                               "kernels, retries.")
+    hardware: HardwareConfig = Field(default_factory=HardwareConfig, description="GPUs, attention backend, "
+                                     "memory budget, ranks and how they start.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation of base and base + adapter on "
+                             "the held-out rows.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Where training logs and "
+                                     "results are sent.")
+    export: ExportConfig = Field(default_factory=ExportConfig, description="The merged checkpoint made after "
+                                 "evaluation.")
+    run: RunConfig = Field(default_factory=RunConfig, description="The run's name, output and cache directories.")
 
     @property
     def cache_root(self) -> Path:
@@ -479,6 +490,15 @@ def consistency_problems(cfg: FinetuneConfig) -> list[str]:
     return problems
 
 
+def check_config(cfg: FinetuneConfig, source: str = "config") -> FinetuneConfig:
+    """The config, or one ConfigError listing the combinations that cannot work (a flow's typed parameter has had
+    its fields validated, one by one, by then)."""
+    problems = consistency_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> FinetuneConfig:
     """Read a YAML config, apply overrides, validate everything, and raise one ConfigError listing all problems."""
     raw: dict[str, Any] = {}
@@ -505,10 +525,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg = FinetuneConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_describe(exc.errors()), source) from None
-    problems = consistency_problems(cfg)
-    if problems:
-        raise ConfigError(problems, source)
-    return cfg
+    return check_config(cfg, source)
 
 
 def config_reference(model: type[BaseModel] = FinetuneConfig, prefix: str = "") -> str:
@@ -518,6 +535,7 @@ def config_reference(model: type[BaseModel] = FinetuneConfig, prefix: str = "") 
         key = f"{prefix}{name}"
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
+            lines.append(f"[{key}] {field.description or ''}".rstrip())
             lines.append(config_reference(ann, key + "."))
             continue
         default = field.get_default(call_default_factory=True)

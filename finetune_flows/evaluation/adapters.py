@@ -19,14 +19,14 @@ import yaml
 
 from pydantic import BaseModel
 
-from finetune_flows.config.schema import FinetuneConfig, load_config
+from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.errors import UserInputError
 from finetune_flows.evaluation.evaluate import EvalReport
 from finetune_flows.logs import run_logger
 from finetune_flows.runtime.policy import check_adapter_path
 from finetune_flows.reporting.plots import publish_plots
 from finetune_flows.models.quantize import QuantizedModel
-from finetune_flows.store.runs import create_run_dir
+from finetune_flows.store.runs import create_run_dir, run_label
 from finetune_flows.store.entries import write_atomic
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -184,8 +184,7 @@ def eval_run_name() -> str:
     target = Path(str(params.get("adapter")))
     label = {"adapter": target.parent.name, "merged": f"{target.parent.name} merged"}.get(target.name, target.name)
     try:
-        config = params.get("config") or training_config(check_evaluation_dir(target).path)
-        cfg = load_config(config, params.get("overrides"))
+        config = params.get("config") or yaml.safe_load(training_config(check_evaluation_dir(target).path).read_text())
+        return f"{run_label(config)} eval {label}"
     except Exception:
         return f"eval {label}"
-    return f"{cfg.run.name}/{cfg.model.source.split(':')[-1].split('/')[-1]} eval {label}"

@@ -8,8 +8,8 @@ the defaults below) says what such a run may do:
     model_sources: [builtin:*, generated:*]   # patterns for built-in/generated/Hub ids; directories for local paths
     hub_datasets: false           # data.source=hub:...
     data_roots: [<checkout>/data] # local data files (data.source, data.eval_source) must lie inside one of these
-    config_roots: [<checkout>/configs]  # the `config` parameter (a run's config.resolved.yaml under an output root
-                                        # is allowed too)
+    config_roots: [<checkout>/configs]  # config files a run reads (the CLI's --config; the config.resolved.yaml
+                                        # of an adapter's run under an output root is allowed too)
     output_roots: [<checkout>/runs]     # run.output_dir
     cache_roots: [~/.cache/finetune-flows]   # run.cache_dir (or FINETUNE_FLOWS_CACHE)
     secrets_for: []               # model sources (patterns) whose runs may see HF_TOKEN and other secrets
@@ -265,15 +265,33 @@ def check_adapter_path(adapter: str | Path) -> None:
 
 
 def checked_config(config: str | Path | None, overrides: list[str] | None) -> FinetuneConfig:
-    """Load the run's config under the host's policy: refused (PolicyError) before anything is read or written
-    if it asks for more than the policy allows. Records whether this run's workers may see secrets."""
+    """Load a config file under the host's policy: a file outside the policy's roots is refused before it is read,
+    then the config as `allowed_config` checks it."""
     policy = current_policy()
+    if policy is not None:
+        refuse(policy, config_file_problems(policy, config))  # before the config file is read
+    return _allowed(policy, load_config(config, overrides))
+
+
+def allowed_config_file(path: str | Path) -> str | Path:
+    """A config file a flow reads (an adapter's training config): refused unless it lies under the policy's config
+    or output roots, before it is read."""
+    policy = current_policy()
+    if policy is not None:
+        refuse(policy, config_file_problems(policy, path))
+    return path
+
+
+def allowed_config(cfg: FinetuneConfig) -> FinetuneConfig:
+    """The run's config under the host's policy: refused (PolicyError) before anything is read or written if it
+    asks for more than the policy allows. Records whether this run's workers may see secrets."""
+    return _allowed(current_policy(), cfg)
+
+
+def _allowed(policy: Policy | None, cfg: FinetuneConfig) -> FinetuneConfig:
     if policy is None:
-        cfg = load_config(config, overrides)
         _Decision.secrets_allowed = True
         return cfg
-    refuse(policy, config_file_problems(policy, config))  # before the config file is read
-    cfg = load_config(config, overrides)
     refuse(policy, config_problems(policy, cfg))
     trusted = any(fnmatch.fnmatchcase(cfg.model.source, p) for p in policy.secrets_for)
     _Decision.secrets_allowed = trusted

@@ -6,7 +6,7 @@ import secrets
 from datetime import datetime, timezone
 from pathlib import Path
 
-from finetune_flows.config.schema import FinetuneConfig, load_config
+from finetune_flows.config.schema import FinetuneConfig, ModelConfig, RunConfig
 from finetune_flows.errors import UserInputError
 from finetune_flows.store.entries import write_atomic
 
@@ -31,14 +31,17 @@ def create_run_dir(cfg: FinetuneConfig) -> Path:
     return run_dir
 
 
+def run_label(config: FinetuneConfig | dict | None) -> str:
+    """`<run name>/<model>` of a flow run's `config` parameter (the model, or its JSON as a deployment run's
+    parameters hold it), read without validating the config again."""
+    raw = config.model_dump(mode="json") if isinstance(config, FinetuneConfig) else config or {}
+    name = (raw.get("run") or {}).get("name") or RunConfig.model_fields["name"].default
+    source = str((raw.get("model") or {}).get("source") or ModelConfig.model_fields["source"].default)
+    return f"{name}/{source.split(':')[-1].split('/')[-1]}"
+
+
 def flow_run_name() -> str:
     """`<run name>/<model>/<run id>`: what a person scans for in the Prefect UI."""
     from prefect.runtime import flow_run
 
-    params = flow_run.parameters
-    try:
-        cfg = load_config(params.get("config"), params.get("overrides"))
-    except Exception:
-        return f"finetune-{params.get('config')}"
-    model = cfg.model.source.split(":")[-1].split("/")[-1]
-    return f"{cfg.run.name}/{model}/{str(flow_run.id)[:8]}"
+    return f"{run_label(flow_run.parameters.get('config'))}/{str(flow_run.id)[:8]}"
