@@ -153,14 +153,13 @@ class TrainConfig(Section):
         "weights every 4-bit matmul multiplies by (bitsandbytes dequantizes them on every call), so the adapter "
         "is the same QLoRA adapter, without the per-call dequantization (it costs 2 bytes per weight instead of "
         "~0.5; `true` still keeps the base 4-bit where the planner finds the dequantized copy does not fit). "
-        "`auto`: on NVIDIA GPUs under DDP (measured 1.4x on an H200, benchmarks/README.md), off under FSDP "
+        "`auto`: on NVIDIA GPUs under DDP (faster: benchmarks/README.md), off under FSDP "
         "and on the CPU.")
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each decoder layer (dynamic shapes) to fuse the elementwise work and "
         "cut kernel launches; needs the dequantized base. `true`: before the first step. `auto`: where the base is "
         "held dequantized on an NVIDIA GPU, once the first steps' measured time shows that the rest of the run "
-        "repays the compilation (on an H200: 1.8x the tokens/s of the dequantized base alone with 10k-token "
-        "micro-batches, 1.46x with 1.2k-token ones; compiling took 52-98 s; finetune_flows/training/compiling.py).")
+        "repays the compilation (finetune_flows/training/compiling.py; the speed-ups: benchmarks/README.md).")
     upcast_frozen: bool | Literal["auto"] = Field(
         "auto", description="Keep the frozen embeddings, norms and lm_head in fp32 as PEFT's "
         "prepare_model_for_kbit_training does (true), or in the compute dtype (false); `auto`: the measured "
@@ -316,7 +315,7 @@ class EvalConfig(Section):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Compute dtype of the static/continuous engines (the evaluation copy is cast to it "
         "when loaded): `auto` is the compute dtype, except on a CPU with native bf16 matrix instructions "
-        "(AVX512-BF16 or AMX) for models at least 256 wide, where it is bfloat16 (2.3x faster there; "
+        "(AVX512-BF16 or AMX) for models at least 256 wide, where it is bfloat16 (faster there; "
         "bitsandbytes' 4-bit CPU kernel computes in bf16 too)."
     )
     attn_implementation: str | None = Field(
