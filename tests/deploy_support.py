@@ -65,8 +65,8 @@ def stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
 class PrefectStack:
     """A Prefect server on 127.0.0.1:<free port> with its own home, and a worker for the deployments' pool.
 
-    The worker runs under its own policy file (finetune_flows/runtime/policy.py): the safe defaults, with `allow` (a dict of
-    policy fields) added, so a test lets its runs use its temporary directories and nothing touches $HOME.
+    The worker runs under its own policy file (finetune_flows/runtime/policy.py): the safe defaults, with `allow` (a
+    dict of policy fields) added, so a test lets its runs use its temporary directories and nothing touches $HOME.
     """
 
     def __init__(self, home: Path, logs: Path, allow: dict[str, Any] | None = None):

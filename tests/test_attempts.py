@@ -1,5 +1,6 @@
-"""Bookkeeping of training attempts (finetune_flows/training/attempts.py): the split after out-of-memory, failures that repeat, and
-figures over all attempts. The fault suite runs the same code against real workers; these pin the arithmetic."""
+"""Bookkeeping of training attempts (finetune_flows/training/attempts.py): the split after out-of-memory, failures that
+repeat, and figures over all attempts. The fault suite runs the same code against real workers; these pin the
+arithmetic."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Attention backends (finetune_flows/models/backends.py) on injected GPU inventories: what the *selected* GPUs can run, and
-`auto` as the fastest correct backend measured on them, for training and evaluation separately."""
+"""Attention backends (finetune_flows/models/backends.py) on injected GPU inventories: what the *selected* GPUs can run,
+and `auto` as the fastest correct backend measured on them, for training and evaluation separately."""
 
 from __future__ import annotations
 
@@ -93,13 +93,15 @@ def test_compiled_packed_training_stays_on_the_kernel_the_compiler_traces():
     compiled = resolve_plan(load_config(None, ["hardware.gpus=0"]), report(host, fa4=True), selection_for("0", host),
                             timings)  # train.compile=auto compiles on a GPU under DDP
     assert (compiled.train_attn, compiled.eval_attn) == ("sdpa", "flash_attention_4")
-    assert compiled.attention_choice["train"].startswith("fastest measured for packed train: sdpa 6.07 ms; not "
-                                                         "flash_attention_4: compiled decoder layers call them untraced")
+    assert compiled.attention_choice["train"].startswith(
+        "fastest measured for packed train: sdpa 6.07 ms; not flash_attention_4: compiled decoder layers call them "
+        "untraced")
     # eager layers: the probe times what training runs, and its packed timing decides
     eager = resolve_plan(load_config(None, ["hardware.gpus=0", "train.compile=false"]), report(host, fa4=True),
                          selection_for("0", host), timings)
     assert eager.train_attn == "flash_attention_4"
-    assert eager.attention_choice["train"] == "fastest measured for packed train: flash_attention_4 5.57 ms, sdpa 6.07 ms"
+    assert eager.attention_choice["train"] == ("fastest measured for packed train: flash_attention_4 5.57 ms, "
+                                               "sdpa 6.07 ms")
     # an explicit backend is the user's call, compiled or not
     chosen = resolve_plan(load_config(None, ["hardware.gpus=0", "hardware.attn_implementation=flash_attention_4"]),
                           report(host, fa4=True), selection_for("0", host), timings)

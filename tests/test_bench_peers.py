@@ -70,7 +70,8 @@ def test_an_unknown_run_stops_the_bench_before_anything_runs():
 def test_the_peers_token_count_is_their_rows_real_tokens_whatever_their_collator_makes_of_them():
     peers = load_benchmark("peer_recipe")
     seen = []
-    counter = peers.TokenCounter(lambda rows: seen.append(len(rows)) or {"flat": sum(len(r["input_ids"]) for r in rows)})
+    counter = peers.TokenCounter(
+        lambda rows: seen.append(len(rows)) or {"flat": sum(len(r["input_ids"]) for r in rows)})
     assert counter([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}]) == {"flat": 4}
     counter([{"input_ids": [5, 6]}])
     assert counter.tokens == 6 and seen == [2, 1]

@@ -136,7 +136,8 @@ def test_prepare_dataset_row(tmp_path, tokenizer_dir, monkeypatch):
     row = readme_row("prepare-dataset")
     for named in ("`data.source`", "`data.eval_source`", "`data.hub_revision`", "`data.*`", "tokenizer",
                   "`model.revision`", "transformers", "tokenizers", "datasets", "`finetune_flows/data/dataset.py`",
-                  "`finetune_flows/data/rows.py`", "`finetune_flows/data/demo.py`", "`quantization.*`", "`lora.*`", "`train.*`", "`eval.*`", "`run.*`"):
+                  "`finetune_flows/data/rows.py`", "`finetune_flows/data/demo.py`", "`quantization.*`", "`lora.*`",
+                  "`train.*`", "`eval.*`", "`run.*`"):
         assert named in row, named
     train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     train.write_text('{"prompt": "a", "response": "b"}\n')

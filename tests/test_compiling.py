@@ -1,6 +1,7 @@
-"""train.compile=auto: the decoder layers start eager and are compiled once the measured steps show that the rest of
-the run repays the compilation (finetune_flows/training/compiling.py). The decision, the record of what compiling took, and the real
-thing: a Trainer on the CPU whose layers are compiled mid-run (Dynamo's own backend, so no kernels are built)."""
+"""train.compile=auto: the decoder layers start eager and are compiled once the measured steps show that the rest of the
+run repays the compilation (finetune_flows/training/compiling.py). The decision, the record of what compiling took, and
+the real thing: a Trainer on the CPU whose layers are compiled mid-run (Dynamo's own backend, so no kernels are
+built)."""
 
 from __future__ import annotations
 

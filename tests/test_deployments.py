@@ -354,8 +354,8 @@ def _slot_events(stack, flow_run_id):
     """(time, task run, what) for each device-slot and device-job log line of a flow run."""
     events = []
     for log in flushed_logs(stack, flow_run_id):
-        m = re.match(r"(waiting for|acquired|releasing) device slot\(s\) (\S+)|starting (quantize|train|evaluate|export) worker",
-                     log.message)
+        m = re.match(r"(waiting for|acquired|releasing) device slot\(s\) (\S+)"
+                     r"|starting (quantize|train|evaluate|export) worker", log.message)
         if m:
             events.append((log.timestamp, log.task_run_id, m.group(1) or f"start {m.group(3)}", log.message))
     return events

@@ -1,7 +1,7 @@
 """Ship it: the adapter merged into the exact 4-bit base it was trained on (CPU, tiny generated model).
 
-The export worker runs as in production (`python -m finetune_flows.export.merge job.json` through run_worker); the tests then
-check its result independently: the merged checkpoint loads with plain transformers and computes what base +
+The export worker runs as in production (`python -m finetune_flows.export.merge job.json` through run_worker); the tests
+then check its result independently: the merged checkpoint loads with plain transformers and computes what base +
 adapter computes.
 """
 

@@ -68,7 +68,8 @@ def test_one_sigterm_ends_the_cli_in_time_though_its_server_is_already_gone(shar
     assert took < grace + 15, f"the CLI took {took:.0f} s to end after SIGTERM"  # margin 10 s, slack 5 s
     assert wait_gone(members, 30), "a process of the run outlived it"
     assert "stopped by SIGTERM" in log.read_text()
-    print(f"FAULT SIGTERM with the temporary server gone: the CLI exited {took:.1f} s after the signal (grace {grace} s)")
+    print(f"FAULT SIGTERM with the temporary server gone: the CLI exited {took:.1f} s after the signal "
+          f"(grace {grace} s)")
 
 
 def orphan_a_server(home: Path) -> ProcessId:

@@ -1,5 +1,6 @@
-"""Generation engines (finetune_flows/evaluation/generation.py) and the loss pass on the CPU: the fast engines give the very greedy
-tokens of `generate()`, with the adapter on and off, and refuse what they cannot run with a clear message."""
+"""Generation engines (finetune_flows/evaluation/generation.py) and the loss pass on the CPU: the fast engines give the
+very greedy tokens of `generate()`, with the adapter on and off, and refuse what they cannot run with a clear
+message."""
 
 from __future__ import annotations
 

@@ -148,7 +148,8 @@ def test_visible_device_order_follows_nvidia_smi_ids():
 
 @two_gpus
 def test_auto_1_picks_the_gpu_with_most_free_memory():
-    hog = "import torch, time; x = torch.empty(40 * 2**30, dtype=torch.uint8, device='cuda'); print('ok', flush=True); time.sleep(600)"
+    hog = ("import torch, time; x = torch.empty(40 * 2**30, dtype=torch.uint8, device='cuda'); "
+           "print('ok', flush=True); time.sleep(600)")
     for busy, expected in ((0, 1), (1, 0)):
         proc = subprocess.Popen([sys.executable, "-c", hog], env=worker_env(selection_for(str(busy), INVENTORY).env),
                                 stdout=subprocess.PIPE, text=True)

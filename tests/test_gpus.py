@@ -262,5 +262,6 @@ def test_the_workers_cap_each_gpu_at_the_budget(monkeypatch):
     calls.clear()
     assert eval_device(plan, 24) == torch.device("cuda:0")
     assert calls == [("cap", 24 * 2**30 / total, 0), ("cap", 24 * 2**30 / total, 1)]
-    assert finetune_flows.runtime.gpus.free_bytes(0) == 20 * 2**30  # the cap less what the allocator holds, not the device's 130 GiB
+    # the cap less what the allocator holds, not the device's 130 GiB
+    assert finetune_flows.runtime.gpus.free_bytes(0) == 20 * 2**30
     assert eval_device(plan.model_copy(update={"device": "cpu"}), 24) == torch.device("cpu")

@@ -1,5 +1,5 @@
-"""Hub kernels from local directories (finetune_flows/models/kernels.py): a small universal (pure PyTorch) kernel repo is built
-here, mapped onto a model's RMSNorm layers, and must replace them without changing the outputs; a kernel that
+"""Hub kernels from local directories (finetune_flows/models/kernels.py): a small universal (pure PyTorch) kernel repo
+is built here, mapped onto a model's RMSNorm layers, and must replace them without changing the outputs; a kernel that
 cannot load is a warning naming it, and the stock layer stays."""
 
 from __future__ import annotations

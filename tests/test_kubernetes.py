@@ -58,7 +58,8 @@ def validate_raycluster(resource: dict) -> None:
     schema = strict_openapi(json.loads(RAYCLUSTER_SCHEMA.read_text()))
     jsonschema.Draft7Validator(schema).validate(resource)
     spec = resource["spec"]
-    for group in [spec["headGroupSpec"], *spec.get("workerGroupSpecs", [])]:  # the pod templates, as Kubernetes sees them
+    # the pod templates, as Kubernetes sees them
+    for group in [spec["headGroupSpec"], *spec.get("workerGroupSpecs", [])]:
         validate_k8s({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "check"},
                       "template": group["template"]})
 

@@ -50,7 +50,8 @@ FORKED_WORKER_SETUP = "from finetune_flows.runtime import forkserver; forkserver
 @pytest.fixture(params=["fresh", "forked"])
 def cpu_env(request, monkeypatch) -> dict[str, str]:
     """A CPU worker's GPU environment, with the worker started as a fresh process or forked from the fork server
-    (finetune_flows/runtime/forkserver.py, which CPU workers of the pipeline's steps use): the launcher's guarantees hold for both."""
+    (finetune_flows/runtime/forkserver.py, which CPU workers of the pipeline's steps use): the launcher's guarantees
+    hold for both."""
     if request.param == "forked":
         monkeypatch.setattr(forkserver, "FORKABLE", (*forkserver.FORKABLE, "tests.fault_worker"))
     else:

@@ -174,10 +174,10 @@ def test_torch_varlen_kernel_is_called_as_each_torch_version_spells_it(monkeypat
 
 @pytest.mark.train
 def test_compiled_decoder_layers_compile_once_for_every_layer_and_packed_length():
-    """Training compiles each decoder layer (finetune_flows/training/compiling.py compile_decoder_layers). The first layer's input
-    comes from the frozen embedding; unless it requires grad like every later layer's input, Dynamo compiles the
-    layer twice (on an H200 a Qwen3-0.6B run spent ~100 s compiling before its first step). Dynamo's own backend,
-    so no kernels are built; a recompile is an error here."""
+    """Training compiles each decoder layer (finetune_flows/training/compiling.py compile_decoder_layers). The first
+    layer's input comes from the frozen embedding; unless it requires grad like every later layer's input, Dynamo
+    compiles the layer twice (on an H200 a Qwen3-0.6B run spent ~100 s compiling before its first step). Dynamo's own
+    backend, so no kernels are built; a recompile is an error here."""
     from peft import LoraConfig, get_peft_model
 
     from finetune_flows.training.compiling import compile_decoder_layers

@@ -49,7 +49,7 @@ def test_whole_flow_produces_an_evaluated_adapter(first_run):
     assert "GPUs" in (run_dir / "environment.md").read_text()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["cached_steps"] == []
-    steps = summary["step_seconds"]  # each step's wall time, in the summary, the CLI's table and the step-cache artifact
+    steps = summary["step_seconds"]  # each step's wall time: the summary, the CLI's table, the step-cache artifact
     assert list(steps) == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter"]
     assert all(s > 0 for s in steps.values()) and steps["train-adapter"] > steps["prepare-dataset"]
     assert "- step seconds: prepare-dataset " in render_summary(result)

@@ -148,7 +148,8 @@ def test_an_adapter_named_by_a_merged_checkpoints_card_is_read_only_inside_the_r
     finally:
         logging.getLogger("finetune_flows").removeHandler(handler)
     assert "outside the policy's output_roots or cache_roots" in records[0].getMessage()
-    assert named_adapter(merged_naming(host / "runs" / "some-run" / "adapter")) == host / "runs" / "some-run" / "adapter"
+    adapter = host / "runs" / "some-run" / "adapter"
+    assert named_adapter(merged_naming(adapter)) == adapter
 
 
 def test_a_policy_that_does_not_parse_refuses_everything(host):

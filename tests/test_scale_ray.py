@@ -29,7 +29,8 @@ def test_scale_out_launchers_smoke_run_compares_host_torchrun_nodes_and_raylets(
     pytest.importorskip("ray.train", reason="the `ray` extra (make test installs it)")
     out = tmp_path / "report"
     proc = subprocess.run([sys.executable, "benchmarks/scale_out.py", "--smoke", "--launchers",
-                           "host,torchrun-2node,ray-2node", "--launch-timeout", "400", "--state", str(tmp_path / "state"),
+                           "host,torchrun-2node,ray-2node", "--launch-timeout", "400",
+                           "--state", str(tmp_path / "state"),
                            "--cache", str(shared_cache / "scale"), "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=850)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from conftest import REPO, child_env
 
-WORKER_MODULES = ["finetune_flows.training.worker", "finetune_flows.evaluation.worker", "finetune_flows.models.quantize",
-                  "finetune_flows.export.merge", "finetune_flows.runtime.environment", "finetune_flows.models.backends",
+WORKER_MODULES = ["finetune_flows.training.worker", "finetune_flows.evaluation.worker",
+                  "finetune_flows.models.quantize", "finetune_flows.export.merge",
+                  "finetune_flows.runtime.environment", "finetune_flows.models.backends",
                   "finetune_flows.training.ray_worker"]
 
 

@@ -82,7 +82,8 @@ def _hub_reachable() -> bool:
 def _cpu_bf16() -> bool:
     import torch
 
-    return any(getattr(torch.cpu, f"_is_{feature}_supported", lambda: False)() for feature in ("avx512_bf16", "amx_tile"))
+    features = ("avx512_bf16", "amx_tile")
+    return any(getattr(torch.cpu, f"_is_{feature}_supported", lambda: False)() for feature in features)
 
 
 def probe(gpus: list[GpuInfo], kernels: dict[str, str] | None = None) -> EnvironmentReport:

@@ -1,11 +1,12 @@
 """Step 2: choose GPUs by nvidia-smi id and build the environment a worker subprocess gets.
 
 The GPUs are read once per flow run (NVML, `read_inventory`, as the flow starts); the preflight's check of
-`hardware.gpus`, the environment probe and the selection the workers run on are computed from that same reading. An inherited CUDA_VISIBLE_DEVICES (a Prefect worker pinned to
-some GPUs) restricts what may be selected; ids stay nvidia-smi ids. GPUs in MIG mode are refused by name: MIG
-instances cannot train together over NCCL, and a whole GPU in MIG mode is not usable by CUDA. The orchestrating
-process never exports CUDA_VISIBLE_DEVICES; the selection is only an env dict for children. Inside the workers,
-`hardware.memory_budget_gib` caps PyTorch's allocator on each GPU (cap_process_memory).
+`hardware.gpus`, the environment probe and the selection the workers run on are computed from that same reading. An
+inherited CUDA_VISIBLE_DEVICES (a Prefect worker pinned to some GPUs) restricts what may be selected; ids stay
+nvidia-smi ids. GPUs in MIG mode are refused by name: MIG instances cannot train together over NCCL, and a whole GPU
+in MIG mode is not usable by CUDA. The orchestrating process never exports CUDA_VISIBLE_DEVICES; the selection is only
+an env dict for children. Inside the workers, `hardware.memory_budget_gib` caps PyTorch's allocator on each GPU
+(cap_process_memory).
 """
 
 from __future__ import annotations

@@ -182,7 +182,8 @@ class WorkerOutput:
                 pass
 
 
-def stop_worker(proc: subprocess.Popen | forkserver.ForkedWorker, members: set[ProcessId], grace: float, output: WorkerOutput, logger) -> None:
+def stop_worker(proc: subprocess.Popen | forkserver.ForkedWorker, members: set[ProcessId], grace: float,
+                output: WorkerOutput, logger) -> None:
     """SIGTERM to the worker's group and every process below it, SIGKILL after `grace` s; wait until all are gone."""
     current = set(tree(proc.pid)) if proc.poll() is None else set()  # an exited PID may be reused already
     members = {m for m in members | current if m.is_running()}
