@@ -57,13 +57,16 @@ run: setup
 # --no-loadscope-reorder keeps that order). TEST_WORKERS=0 runs serially. The slowest tests are listed at the end:
 # the suite has to stay under 25 minutes.
 TEST_WORKERS ?= 3
+# One OpenMP thread per process: the workers and their children already fill the cores, and torch's default pool (a
+# thread per core in each of them) oversubscribes them.
+TEST_ENV := HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$(if $(filter 0,$(TEST_WORKERS)),$(shell nproc),1)
 test: setup test-deps
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=20 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q --durations=20 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # The edit loop: unit tests and the workers' own tests, without the pipeline runs (`slow`), training steps and
 # torch.compile (`train`) or GPUs; the same workers as `make test`.
 test-fast: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m 'not slow and not train and not gpu' --durations=10 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q -m 'not slow and not train and not gpu' --durations=10 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # GPU hosts: GPU_PY=python3 runs with an interpreter that already has the stack (e.g. an offline GPU image)
 # instead of setting up .venv.

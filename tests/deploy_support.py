@@ -27,6 +27,7 @@ from finetune_flows.runtime.processes import alive, descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
+WORKER_HEARTBEAT_SECONDS = 5
 PREFECT = str(VENV_BIN / "prefect")
 STAMP = ".venv/.installed"  # `make -o` it: the suite runs inside `make test`, after setup
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -84,6 +85,9 @@ class PrefectStack:
             # A queued run re-polls a busy device limit at most this often (server default: 30 s).
             PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS="5",
             PREFECT_WORKER_QUERY_SECONDS="2", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+            # The worker re-reads its pool at each heartbeat (default: every 30 s); a test that changes the pool
+            # waits for one.
+            PREFECT_WORKER_HEARTBEAT_SECONDS=str(WORKER_HEARTBEAT_SECONDS),
             # as `make server` sets it: device-slot leases survive a server restart
             PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE="prefect.server.concurrency.lease_storage.filesystem",
             PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from finetune_flows.data.demo import ticket_triage
-from tests.deploy_support import PREFECT, PrefectStack, demo_config
+from tests.deploy_support import PREFECT, WORKER_HEARTBEAT_SECONDS, PrefectStack, demo_config
 
 pytestmark = pytest.mark.slow
 
@@ -235,7 +235,7 @@ def test_a_pool_template_changed_through_the_api_keeps_the_worker_from_starting_
     template.write_text(json.dumps(ProcessWorker.get_default_base_job_template()))
     stack.run([PREFECT, "work-pool", "update", "finetune-gpu", "--base-job-template", str(template)])
     try:
-        time.sleep(35)  # the worker reads the pool again at its next heartbeat (every 30 s)
+        time.sleep(WORKER_HEARTBEAT_SECONDS + 3)  # the worker reads the pool again at its next heartbeat
         flow_run_id = stack.deployment_run("finetune/on-demand", config=demo_config(tiny(host)), job_variables={
             "env": {"PYTHONPATH": str(planted(host, "pool-changed"))}})
         run = stack.wait_for([flow_run_id], timeout=300)[flow_run_id]
