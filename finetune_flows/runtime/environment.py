@@ -380,6 +380,9 @@ def verify_environment(cfg: FinetuneConfig, run_dir: Path,
     return env, plan
 
 
+def _probe_job(job: dict) -> dict:
+    return probe([GpuInfo.model_validate(g) for g in job["gpus"]], job.get("kernels")).model_dump(mode="json")
+
+
 if __name__ == "__main__":
-    worker_main(lambda job: probe([GpuInfo.model_validate(g) for g in job["gpus"]], job.get("kernels")).model_dump(
-        mode="json"))
+    worker_main(_probe_job)

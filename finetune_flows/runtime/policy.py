@@ -267,13 +267,10 @@ def check_adapter_path(adapter: str | Path) -> None:
 def checked_config(config: str | Path | None, overrides: list[str] | None) -> FinetuneConfig:
     """Load a config file under the host's policy: a file outside the policy's roots is refused before it is read,
     then the config as `allowed_config` checks it."""
-    policy = current_policy()
-    if policy is not None:
-        refuse(policy, config_file_problems(policy, config))  # before the config file is read
-    return _allowed(policy, load_config(config, overrides))
+    return allowed_config(load_config(allowed_config_file(config), overrides))
 
 
-def allowed_config_file(path: str | Path) -> str | Path:
+def allowed_config_file(path: str | Path | None) -> str | Path | None:
     """A config file a flow reads (an adapter's training config): refused unless it lies under the policy's config
     or output roots, before it is read."""
     policy = current_policy()

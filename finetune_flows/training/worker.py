@@ -41,7 +41,7 @@ from finetune_flows.training.profiling import profiler_callback
 class PadCollator(TokenTally):
     """Right-pad a batch; padding never counts in the loss. Counts the real tokens the model has run on. Ours, not
     DataCollatorForSeq2Seq: the same tensors from a pad id alone, not through a tokenizer and its padding_side,
-    2-4x faster here (benchmarks/collators.py)."""
+    and faster (benchmarks/results/collators-0xGPU-20261203-120725/NOTE.md)."""
 
     def __init__(self, pad_token_id: int):
         super().__init__()
