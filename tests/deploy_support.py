@@ -68,9 +68,11 @@ class PrefectStack:
 
     The worker runs under its own policy file (finetune_flows/runtime/policy.py): the safe defaults, with `allow` (a
     dict of policy fields) added, so a test lets its runs use its temporary directories and nothing touches $HOME.
+    `extra_env` is added to the environment of the server and the worker, so of every run's processes too.
     """
 
-    def __init__(self, home: Path, logs: Path, allow: dict[str, Any] | None = None):
+    def __init__(self, home: Path, logs: Path, allow: dict[str, Any] | None = None,
+                 extra_env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_url = f"{self.url}/api"
@@ -92,6 +94,7 @@ class PrefectStack:
             PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE="prefect.server.concurrency.lease_storage.filesystem",
             PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         )
+        env.update(extra_env or {})
         self.policy = str(self.write_policy(logs.parent / "worker-policy.yaml", allow or {}))  # for `make worker`
         self.env = env
         self.procs: list[subprocess.Popen] = []
@@ -227,10 +230,11 @@ class PrefectStack:
 
 
 @contextmanager
-def running_stack(tmp: Path, deploy: bool = True, allow: dict[str, Any] | None = None) -> Iterator[PrefectStack]:
+def running_stack(tmp: Path, deploy: bool = True, allow: dict[str, Any] | None = None,
+                  extra_env: dict[str, str] | None = None) -> Iterator[PrefectStack]:
     """A server with its own home under tmp and, with deploy, `make deploy` and `make worker` (under a worker
-    policy that allows `allow`); all stopped after."""
-    stack = PrefectStack(home=tmp / "home", logs=tmp / "logs", allow=allow)
+    policy that allows `allow`; `extra_env` in their environment); all stopped after."""
+    stack = PrefectStack(home=tmp / "home", logs=tmp / "logs", allow=allow, extra_env=extra_env)
     try:
         stack.start_server()
         if deploy:

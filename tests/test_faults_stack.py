@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fault_support import overrides, training_in_progress
+from finetune_flows.runtime.lifecycle import FAULTS_ENV
 from finetune_flows.runtime.processes import ProcessId, parent_of, wait_gone
 from finetune_flows.training.checkpoints import checkpoint_is_complete
 from tests.deploy_support import demo_config
@@ -29,12 +30,15 @@ def cache(shared_cache):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, shared_cache):
-    """A real server, `make deploy` (work pool, this host's device limits, deployments) and `make worker`."""
+    """A real server, `make deploy` (work pool, this host's device limits, deployments) and `make worker`. Each
+    training step takes at least 0.2 s (the injected `step_seconds`), so a run is still training when the cancel or
+    the restart lands: on a quiet host the tiny model's 60 steps took less than the cancel's way to the ranks."""
     from tests.deploy_support import running_stack
 
     base = tmp_path_factory.getbasetemp()  # its deployment runs write outputs in temporary directories
     roots = {"output_roots": [base], "cache_roots": [base, shared_cache], "config_roots": [base], "data_roots": [base]}
-    with running_stack(tmp_path_factory.mktemp("fault-stack"), allow=roots) as s:
+    with running_stack(tmp_path_factory.mktemp("fault-stack"), allow=roots,
+                       extra_env={FAULTS_ENV: json.dumps({"step_seconds": 0.2})}) as s:
         yield s
 
 
