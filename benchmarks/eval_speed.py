@@ -8,9 +8,9 @@
 1. Data: ticket-triage prompts behind 0..`--history` earlier messages, so prompt lengths vary widely.
 2. The pipeline's own steps (dataset, 4-bit base, a short QLoRA run of `--train-steps` on short rows), under a
    temporary Prefect server, so the adapter really changes the answers; all cached in `--work` for reruns.
-3. Every variant answers every prompt greedily (`--new-tokens`), base then base + adapter, after an untimed
-   warm-up on a few prompts: `generate` is the reference engine (model.generate on the 4-bit model in batches
-   of `--baseline-batch`); `static`/`continuous` are the new engines on the dequantized evaluation copy,
+3. Every variant answers every prompt greedily (`--new-tokens`), base then base + adapter, each after an untimed
+   warm-up pass over the same prompts (no compilation or graph capture in the timed passes): `generate` is the
+   reference engine (model.generate on the 4-bit model in batches of `--baseline-batch`); `static`/`continuous` are the new engines on the dequantized evaluation copy,
    with each attention backend that is installed and usable on this GPU; `generate-static` is transformers' own
    fast path on that same copy: generate() with `cache_implementation="static"`, whose decode steps generate
    compiles itself on CUDA (CompileConfig's defaults: torch.compile, mode reduce-overhead), the cache sized once
@@ -141,15 +141,16 @@ class PeakMemory:
 
 
 def run_variant(name, model, generate, tokenizer, references, metric, device, repeats: int = 1) -> dict:
-    """Base then base + adapter, each after an untimed warm-up on 8 prompts, timed `repeats` times: the row's
-    seconds are the median run's, with every run's kept (two engines within that spread are a tie). Greedy
-    decoding must give the same answers on every repeat."""
+    """Base then base + adapter, each after an untimed warm-up pass over the same prompts (so every batch shape the
+    timed runs meet is compiled or captured already: steady passes), timed `repeats` times: the row's seconds are
+    the median run's, with every run's kept (two engines within that spread are a tie). Greedy decoding must give
+    the same answers on every repeat."""
     from finetune_flows.evaluation.metrics import score_answer
 
     row = {"variant": name, "attention": model.config._attn_implementation}
     for side in ("base", "adapter"):
         (model.base_model.disable_adapter_layers if side == "base" else model.base_model.enable_adapter_layers)()
-        generate(8)
+        warmup = generate(None)
         with PeakMemory(device) as memory:
             runs = [generate(None) for _ in range(repeats)]
         for gen in runs:
@@ -163,7 +164,7 @@ def run_variant(name, model, generate, tokenizer, references, metric, device, re
         row[side] = {"seconds": round(gen.seconds, 3), "runs_seconds": [round(g.seconds, 3) for g in runs],
                      "first_result_seconds": round(gen.first_result_seconds, 3),
                      "generated_tokens": tokens, "tokens_per_second": round(tokens / max(gen.seconds, 1e-9), 1),
-                     "peak_memory_mib": memory.mib, "details": gen.details,
+                     "peak_memory_mib": memory.mib, "details": gen.details, "warmup_prompts": len(warmup.tokens),
                      "exact_match": round(sum(score_answer(a, r, metric) for a, r in zip(answers, references))
                                           / len(references), 4), "answers": answers}
         print(f"  {name} {side}: {gen.seconds:.2f} s (runs {row[side]['runs_seconds']}), "

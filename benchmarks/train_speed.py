@@ -634,6 +634,10 @@ def markdown(rep: dict) -> str:
             lines += ["", f"## Profile: {r['name']} ({p['wall_ms_per_step']} ms/step, GPU idle "
                       f"{p['gpu_idle_share']:.0%})", "", "| category | ms/step | share of wall |", "|---|---|---|"]
             lines += [f"| {k} | {v} | {p['share_of_wall'].get(k, 0):.1%} |" for k, v in p["kernel_ms_per_step"].items()]
+            if "kernels_per_step" in p:
+                host = ", ".join(f"{name} {ms} ms" for name, ms in p["top_host_ops_ms_per_step"][:6])
+                lines += ["", f"Per step: {p['kernels_per_step']:g} kernels, {p['host_syncs_per_step']:g} host-GPU "
+                          f"synchronisations; the host's largest self times: {host}"]
     return "\n".join(lines) + "\n"
 
 

@@ -34,6 +34,7 @@ def test_evaluation_benchmark_smoke_run_writes_the_report(tmp_path):
         for side in ("base", "adapter"):
             assert row[side]["generated_tokens"] > 0 and row[side]["seconds"] > 0
             assert 0 < row[side]["first_result_seconds"] <= row[side]["seconds"]
+            assert row[side]["warmup_prompts"] == 40  # warmed up on every timed prompt: steady passes only
     # the copy and the 4-bit model differ only by kernel rounding: nearly every greedy answer is the same
     assert report["greedy_agreement"] >= 0.9 and report["rows"][2]["agreement"] >= 0.9
     library = report["rows"][3]  # transformers' generate() with its static cache, on the same copy as `static`

@@ -32,15 +32,32 @@ def categorize(name: str) -> str:
     return "other"
 
 
+SYNC = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$")  # the host waits for the GPU here
+
+
 def summarize(prof, wall_seconds: float, steps: int) -> dict:
-    """Kernel time per category (ms per step) and the GPU-idle remainder, from a finished profiler."""
+    """Kernel time per category (ms per step) and the GPU-idle remainder, from a finished profiler; and on the
+    host side, what an idle GPU waits on: kernel launches and host-device synchronisations per step, and the ops
+    with the most self CPU time. A user annotation's GPU range (`Optimizer.step#AdamW.step`) spans kernels that
+    are counted themselves, so it is left out of the kernel time."""
     kernels: dict[str, float] = {}
+    launches = 0
+    host: dict[str, float] = {}
+    syncs = 0
     for evt in prof.key_averages():
+        on_device = getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type)
+        if not on_device:
+            host[evt.key] = host.get(evt.key, 0.0) + getattr(evt, "self_cpu_time_total", 0) / 1e3
+            syncs += evt.count if SYNC.search(evt.key) else 0
+            continue
+        if getattr(evt, "is_user_annotation", False):
+            continue
         device_us = getattr(evt, "self_device_time_total", None)
         if device_us is None:
             device_us = getattr(evt, "self_cuda_time_total", 0)
-        if device_us and getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
+        if device_us:
             kernels[evt.key] = kernels.get(evt.key, 0.0) + device_us / 1e3
+            launches += evt.count
     by_cat: dict[str, float] = {}
     for name, ms in kernels.items():
         by_cat[categorize(name)] = by_cat.get(categorize(name), 0.0) + ms
@@ -52,7 +69,10 @@ def summarize(prof, wall_seconds: float, steps: int) -> dict:
             "kernel_ms_per_step": per_step, "gpu_busy_ms_per_step": round(busy / steps, 2),
             "gpu_idle_share": round(max(0.0, 1 - busy / wall_ms), 3) if wall_ms else None,
             "share_of_wall": {k: round(v / wall_ms, 3) for k, v in by_cat.items()} if wall_ms else {},
-            "top_kernels_ms_per_step": [(n[:120], round(ms / steps, 3)) for n, ms in top]}
+            "top_kernels_ms_per_step": [(n[:120], round(ms / steps, 3)) for n, ms in top],
+            "kernels_per_step": round(launches / steps, 1), "host_syncs_per_step": round(syncs / steps, 1),
+            "top_host_ops_ms_per_step": [(n[:120], round(ms / steps, 3))
+                                         for n, ms in sorted(host.items(), key=lambda kv: -kv[1])[:15]]}
 
 
 def profiler_callback(path: Path, start: int, steps: int):
