@@ -638,6 +638,11 @@ def markdown(rep: dict) -> str:
                 host = ", ".join(f"{name} {ms} ms" for name, ms in p["top_host_ops_ms_per_step"][:6])
                 lines += ["", f"Per step: {p['kernels_per_step']:g} kernels, {p['host_syncs_per_step']:g} host-GPU "
                           f"synchronisations; the host's largest self times: {host}"]
+            if "gap_ms_per_step" in p:
+                launch = ", ".join(f"{name} {ms} ms" for name, ms in p["gap_ms_per_step_by_next_launch"][:6])
+                lines += ["", f"GPU idle between kernels {p['gap_ms_per_step']} ms per step "
+                          f"({p['gaps_of_50us_or_more_per_step']:g} gaps of 50 us or more), before kernels launched "
+                          f"by: {launch}"]
     return "\n".join(lines) + "\n"
 
 

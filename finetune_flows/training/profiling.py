@@ -3,7 +3,8 @@
 Used by the training benchmark (`benchmarks/train_speed.py --profile`) through the job field `profile`: steps
 `start..start+steps` are recorded, the CUDA kernels' self time is summed per category (attention, GEMM,
 4-bit dequantization, cross-entropy, normalisation/elementwise, optimizer, communication, other), and the share of
-wall time the GPU was idle (launch overhead, Python, data loading) is what is left.
+wall time the GPU was idle (launch overhead, Python, data loading) is what is left; the gaps between kernels are
+charged to the host op that launched the kernel after each (`idle_gaps`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,39 @@ def categorize(name: str) -> str:
 SYNC = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$")  # the host waits for the GPU here
 
 
+def _on_device(evt) -> bool:
+    return getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type)
+
+
+def idle_gaps(events, steps: int, top: int = 12) -> dict:
+    """Where the GPU waits between kernels: each gap (no kernel running on any stream) is charged to the host op
+    that launched the kernel after it, named with its outermost enclosing op (`Optimizer.step#AdamW.step >
+    aten::_foreach_mul_`): the host was busy with that op, or with what preceded it, while the GPU had nothing to
+    run. `events`: a finished profiler's `events()`, whose CUDA kernels point to their launching op by
+    correlation id."""
+    launchers = {e.id: e for e in events if not _on_device(e) and not getattr(e, "is_async", False)}
+    kernels = sorted((e for e in events if _on_device(e) and not getattr(e, "is_user_annotation", False)),
+                     key=lambda e: e.time_range.start)
+    by_launcher: dict[str, float] = {}
+    gaps, large = 0.0, 0
+    busy_until = None
+    for k in kernels:
+        if busy_until is not None and k.time_range.start > busy_until:
+            gap = (k.time_range.start - busy_until) / 1e3
+            gaps += gap
+            large += gap >= 0.05
+            op = launchers.get(getattr(k, "linked_correlation_id", 0))
+            outer = op
+            while outer is not None and outer.cpu_parent is not None:
+                outer = outer.cpu_parent
+            name = "?" if op is None else op.name if outer is op else f"{outer.name} > {op.name}"
+            by_launcher[name[:120]] = by_launcher.get(name[:120], 0.0) + gap
+        busy_until = k.time_range.end if busy_until is None else max(busy_until, k.time_range.end)
+    return {"gap_ms_per_step": round(gaps / steps, 2), "gaps_of_50us_or_more_per_step": round(large / steps, 1),
+            "gap_ms_per_step_by_next_launch": [(n, round(ms / steps, 3))
+                                               for n, ms in sorted(by_launcher.items(), key=lambda kv: -kv[1])[:top]]}
+
+
 def summarize(prof, wall_seconds: float, steps: int) -> dict:
     """Kernel time per category (ms per step) and the GPU-idle remainder, from a finished profiler; and on the
     host side, what an idle GPU waits on: kernel launches and host-device synchronisations per step, and the ops
@@ -62,6 +96,7 @@ def summarize(prof, wall_seconds: float, steps: int) -> dict:
     for name, ms in kernels.items():
         by_cat[categorize(name)] = by_cat.get(categorize(name), 0.0) + ms
     wall_ms = wall_seconds * 1e3
+    gaps = idle_gaps(prof.events(), steps) if launches else {}
     busy = sum(by_cat.values())
     per_step = {k: round(v / steps, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
@@ -72,7 +107,8 @@ def summarize(prof, wall_seconds: float, steps: int) -> dict:
             "top_kernels_ms_per_step": [(n[:120], round(ms / steps, 3)) for n, ms in top],
             "kernels_per_step": round(launches / steps, 1), "host_syncs_per_step": round(syncs / steps, 1),
             "top_host_ops_ms_per_step": [(n[:120], round(ms / steps, 3))
-                                         for n, ms in sorted(host.items(), key=lambda kv: -kv[1])[:15]]}
+                                         for n, ms in sorted(host.items(), key=lambda kv: -kv[1])[:15]],
+            **gaps}
 
 
 def profiler_callback(path: Path, start: int, steps: int):
