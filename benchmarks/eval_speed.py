@@ -10,12 +10,13 @@
    temporary Prefect server, so the adapter really changes the answers; all cached in `--work` for reruns.
 3. Every variant answers every prompt greedily (`--new-tokens`), base then base + adapter, each after an untimed
    warm-up pass over the same prompts (no compilation or graph capture in the timed passes): `generate` is the
-   reference engine (model.generate on the 4-bit model in batches of `--baseline-batch`); `static`/`continuous` are the new engines on the dequantized evaluation copy,
-   with each attention backend that is installed and usable on this GPU; `generate-static` is transformers' own
-   fast path on that same copy: generate() with `cache_implementation="static"`, whose decode steps generate
-   compiles itself on CUDA (CompileConfig's defaults: torch.compile, mode reduce-overhead), the cache sized once
-   for the longest prompt (`max_cache_len`) so every batch reuses one cache shape, batches as many rows as
-   `--batch-tokens` holds at that length, prompts longest first as the static engine takes them.
+   reference engine (model.generate on the 4-bit model in batches of `--baseline-batch`); `static`/`continuous`
+   are the new engines on the dequantized evaluation copy, with each attention backend that is installed and
+   usable on this GPU; `generate-static` is transformers' own fast path on that same copy: generate() with
+   `cache_implementation="static"`, whose decode steps generate compiles itself on CUDA (CompileConfig's
+   defaults: torch.compile, mode reduce-overhead), the cache sized once for the longest prompt (`max_cache_len`)
+   so every batch reuses one cache shape, batches as many rows as `--batch-tokens` holds at that length, prompts
+   longest first as the static engine takes them.
 4. benchmarks/results/eval-bench-<N>xGPU-<time>/report.{md,json}: per variant generation seconds, generated
    tokens/s, time to first result, peak memory (GPU: max reserved; CPU: peak RSS), exact match, and greedy
    agreement with the reference. `seconds`/`speedup` are for what `eval.engine: auto` with

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -49,6 +50,15 @@ LONGEST_FIRST = [
     "test_faults.py", "test_bench_eval.py", "test_faults_signals.py", "test_bench_train.py", "test_plots_ui.py",
     "test_lifecycle.py", "test_honest_numbers.py", "test_plan_flow.py",
 ]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """The session's temporary directory (Prefect home, the shared cache: ~50 MB) goes with the session; under
+    pytest-xdist each worker removes its own and the controller, last, the one holding the shared cache.
+    FINETUNE_FLOWS_KEEP_TEST_TMP=1 keeps it to look into."""
+    if not os.environ.get("FINETUNE_FLOWS_KEEP_TEST_TMP"):
+        shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(session, config, items):
