@@ -17,8 +17,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 
 from prefect import flow  # noqa: E402
 
+from finetune_flows.cli import run_cli  # noqa: E402
+from finetune_flows.config.preflight import cli_preflight  # noqa: E402
 from finetune_flows.config.schema import FinetuneConfig, check_config, load_config  # noqa: E402
-from finetune_flows.errors import UserInputError  # noqa: E402
 from finetune_flows.evaluation.adapters import check_adapter_dir, training_config, warn_if_other_base  # noqa: E402
 from finetune_flows.export.merge import ExportResult  # noqa: E402
 from finetune_flows.export.model_card import adapter_eval_table, create_export_run_dir  # noqa: E402
@@ -59,6 +60,11 @@ def export(adapter: str, config: FinetuneConfig | None = None) -> ExportResult:
                                adapter_eval_table(adapter_dir), required=True)
 
 
+def show(result: ExportResult) -> None:
+    print(f"merged checkpoint: {result.path} ({result.dtype}, {result.parameters / 1e6:.1f}M parameters); "
+          f"model card: {result.path / 'README.md'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", required=True, help="adapter directory (runs/<run>/adapter of a fine-tune run)")
@@ -66,17 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. export.dtype=float16 (repeatable)")
     args = parser.parse_args(argv)
-    try:  # fail fast, before a Prefect server is even started
-        adapter_dir = check_adapter_dir(args.adapter)
-        cfg = load_config(args.config or training_config(adapter_dir), args.overrides)
-        check_model_source(cfg.model.source, cfg.model.trust_remote_code)
-        result = export(args.adapter, cfg)
-    except UserInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"merged checkpoint: {result.path} ({result.dtype}, {result.parameters / 1e6:.1f}M parameters); "
-          f"model card: {result.path / 'README.md'}")
-    return 0
+    # checked before a Prefect server starts; the run's temporary server and workers stop with it (run_cli)
+    return run_cli(lambda: cli_preflight(load_config(args.config or training_config(check_adapter_dir(args.adapter)),
+                                                     args.overrides)),
+                   lambda cfg: export(args.adapter, cfg), show)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import child_env, tiny_overrides
-from fault_support import start_cli, training_in_progress
+from fault_support import ROOT, start_cli, training_in_progress
 from finetune_flows.runtime.processes import ProcessId, tree, wait_gone
 
 pytestmark = pytest.mark.slow
@@ -115,5 +115,24 @@ def test_sigkill_of_the_cli_takes_its_server_along_and_a_stale_server_does_not_b
             if proc.poll() is None:
                 proc.kill()
         assert stale.is_running()  # not ours to stop, and not in the way
+        # `python flows/export.py` on that run's adapter: its temporary server dies with it as well
+        [adapter] = [p.parent for p in (tmp_path / "runs").glob("*/adapter/adapter_config.json")]
+        log = again / "export.log"
+        proc = subprocess.Popen([sys.executable, "flows/export.py", "--adapter", str(adapter)], cwd=ROOT,
+                                env=home_env(tmp_path), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        try:
+            server, deadline = None, time.monotonic() + 300
+            while server is None and proc.poll() is None and time.monotonic() < deadline:
+                server = temporary_server(proc.pid)
+                time.sleep(0.1)
+            assert server is not None, f"no temporary server under the export CLI:\n{log.read_text()[-3000:]}"
+            members = tree(proc.pid)
+            proc.kill()
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert wait_gone([server], 30), "the export CLI's temporary server outlived its SIGKILL"
+        assert wait_gone(members, 60), "a process of the export outlived it"
     finally:
         stale.signal(signal.SIGKILL)
