@@ -3,6 +3,7 @@ server under SIGTERM and SIGKILL (real processes, real signals, real servers).""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -87,52 +88,51 @@ def orphan_a_server(home: Path) -> ProcessId:
     return ident
 
 
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen):
+    """`proc`, killed on the way out if it still runs (a failed assertion included)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def sigkill_takes_the_server_along(proc: subprocess.Popen, server: ProcessId, what: str) -> None:
+    members = tree(proc.pid)
+    proc.kill()  # no handler, no atexit hook runs
+    proc.wait(30)
+    assert wait_gone([server], 30), f"the {what}'s temporary server outlived its SIGKILL"
+    assert wait_gone(members, 60), f"a process of the {what} outlived it"
+
+
 def test_sigkill_of_the_cli_takes_its_server_along_and_a_stale_server_does_not_block_the_next_run(
         shared_cache, tmp_path):
     cache, log = shared_cache / "cli-faults", tmp_path / "cli.log"
     stale = orphan_a_server(tmp_path)
     try:
-        proc = start_cli(training_run(cache, tmp_path, seed=902), home_env(tmp_path), log)
-        try:
+        with reaped(start_cli(training_run(cache, tmp_path, seed=902), home_env(tmp_path), log)) as proc:
             training_in_progress(cache, 902, min_step=2, run=proc, log=log)
-            members, server = tree(proc.pid), temporary_server(proc.pid)
-            assert server is not None and server != stale, members
-            proc.kill()  # no handler, no atexit hook runs
-            proc.wait(30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        assert wait_gone([server], 30), "the CLI's temporary server outlived its SIGKILL"
-        assert wait_gone(members, 60), "a process of the run outlived it"
+            server = temporary_server(proc.pid)
+            assert server is not None and server != stale, tree(proc.pid)
+            sigkill_takes_the_server_along(proc, server, "CLI")
         # the next run on the same Prefect home, with a stale server from an older crash still running, finishes
         again = tmp_path / "again"
         again.mkdir()
-        proc = start_cli(training_run(cache, tmp_path, seed=903, **{"train.max_steps": 4}), home_env(tmp_path),
-                         again / "cli.log")
-        try:
+        with reaped(start_cli(training_run(cache, tmp_path, seed=903, **{"train.max_steps": 4}), home_env(tmp_path),
+                              again / "cli.log")) as proc:
             assert proc.wait(timeout=600) == 0, (again / "cli.log").read_text()[-3000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
         assert stale.is_running()  # not ours to stop, and not in the way
         # `python flows/export.py` on that run's adapter: its temporary server dies with it as well
         [adapter] = [p.parent for p in (tmp_path / "runs").glob("*/adapter/adapter_config.json")]
         log = again / "export.log"
-        proc = subprocess.Popen([sys.executable, "flows/export.py", "--adapter", str(adapter)], cwd=ROOT,
-                                env=home_env(tmp_path), stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        try:
+        with reaped(subprocess.Popen([sys.executable, "flows/export.py", "--adapter", str(adapter)], cwd=ROOT,
+                                     env=home_env(tmp_path), stdout=open(log, "w"), stderr=subprocess.STDOUT)) as proc:
             server, deadline = None, time.monotonic() + 300
             while server is None and proc.poll() is None and time.monotonic() < deadline:
                 server = temporary_server(proc.pid)
                 time.sleep(0.1)
             assert server is not None, f"no temporary server under the export CLI:\n{log.read_text()[-3000:]}"
-            members = tree(proc.pid)
-            proc.kill()
-            proc.wait(30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        assert wait_gone([server], 30), "the export CLI's temporary server outlived its SIGKILL"
-        assert wait_gone(members, 60), "a process of the export outlived it"
+            sigkill_takes_the_server_along(proc, server, "export CLI")
     finally:
         stale.signal(signal.SIGKILL)
