@@ -203,6 +203,8 @@ def test_user_error_raised_in_torchrun_ranks_reaches_the_task_as_one_message(tmp
     assert str(info.value).startswith("rows.jsonl line 3: not valid JSON (rank ")
     assert "\n" not in str(info.value)
     assert not list((tmp_path / "ranks").glob("*.pid")), "a rank left its PID record behind"
+    # torchrun kept its attempt folders beside the job (one per rank), not in a torchelastic_* folder of /tmp
+    assert sorted(p.name for p in (tmp_path / "torchrun").glob("*/attempt_0/*")) == ["0", "1"]
 
 
 def test_out_of_memory_is_reported_with_the_split_it_happened_at(tmp_path, cpu_env):

@@ -35,8 +35,8 @@ def test_single_host_launch_and_cache_keys_are_unchanged(tmp_path):
     cfg = load_config(None, [])
     assert fingerprint_parts(cfg, CPU_PLAN) == []
     cmd = torchrun_command("finetune_flows.training.worker", tmp_path / "job.json", cfg, CPU_PLAN, "abc")
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
-                       "finetune_flows.training.worker", str(tmp_path / "job.json")]
+    assert cmd[1:] == ["-m", "torch.distributed.run", f"--log-dir={tmp_path / 'torchrun'}", "--standalone",
+                       "--nproc_per_node=1", "-m", "finetune_flows.training.worker", str(tmp_path / "job.json")]
 
 
 def test_one_cpu_rank_runs_without_torchrun_and_gets_what_torchrun_would_give_it(tmp_path, monkeypatch):
@@ -65,7 +65,7 @@ def test_multi_node_torchrun_uses_c10d_rendezvous_named_by_the_run(tmp_path):
     plan = CPU_PLAN.model_copy(update={"nproc": 4})
     cmd = train_command(cfg, plan, tmp_path / "job.json", "run-fingerprint")
     assert cmd[cmd.index("torch.distributed.run") + 1:cmd.index("-m", 3)] == [
-        "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node0.cluster:29400",
+        f"--log-dir={tmp_path / 'torchrun'}", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node0.cluster:29400",
         "--rdzv-id=run-fingerprint", "--max-restarts=0"]
     assert fingerprint_parts(cfg, plan) == ["torchrun", 2, 4]
     ray = load_config(None, ["hardware.launcher=ray", "hardware.nodes=3", "hardware.gpus_per_node=8"])

@@ -305,10 +305,16 @@ def python_module(module: str, job_path: Path) -> list[str]:
     return [sys.executable, "-m", module, str(job_path)]
 
 
+def torchrun_log_dir(job_path: Path) -> str:
+    """torchrun's folder for its attempts (and a failed rank's error.json): beside the job, where it goes with the
+    run, instead of a torchelastic_* folder left in the system's temporary directory by every launch."""
+    return f"--log-dir={job_path.parent / 'torchrun'}"
+
+
 def torchrun_module(module: str, job_path: Path, nproc: int) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", module, str(job_path),
+        torchrun_log_dir(job_path), "-m", module, str(job_path),
     ]
 
 

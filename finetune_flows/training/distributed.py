@@ -25,6 +25,7 @@ from typing import Any
 
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.config.plan import Plan
+from finetune_flows.runtime.launcher import torchrun_log_dir
 from finetune_flows.training.checkpoints import checkpoint_is_complete
 
 
@@ -67,7 +68,7 @@ def plan_problems(cfg: FinetuneConfig, plan: Plan) -> list[str]:
 
 def torchrun_command(module: str, job_path: Path, cfg: FinetuneConfig, plan: Plan, run_id: str) -> list[str]:
     h = cfg.hardware
-    head = [sys.executable, "-m", "torch.distributed.run"]
+    head = [sys.executable, "-m", "torch.distributed.run", torchrun_log_dir(job_path)]
     tail = ["-m", module, str(job_path)]
     if h.nodes == 1:
         return head + ["--standalone", f"--nproc_per_node={plan.nproc}"] + tail
