@@ -107,12 +107,12 @@ class GracefulStop:
 
 
 def _any_rank(flag: bool) -> bool:
-    """True on every rank if it is True on any (MAX all-reduce of one number); the flag itself without DDP."""
+    """True on every rank if it is True on any (MAX all-reduce of one number); the flag itself on one rank."""
     import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag  # one rank: nothing to agree on, and no all-reduce whose .item() waits for the device
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     value = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)

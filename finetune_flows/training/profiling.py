@@ -111,8 +111,10 @@ def summarize(prof, wall_seconds: float, steps: int) -> dict:
             **gaps}
 
 
-def profiler_callback(path: Path, start: int, steps: int):
-    """A TrainerCallback that profiles optimizer steps start+1 .. start+steps and writes the summary to `path`."""
+def profiler_callback(path: Path, start: int, steps: int, exclude=None):
+    """A TrainerCallback that profiles optimizer steps start+1 .. start+steps and writes the summary to `path`.
+    `exclude` (the step clock's) leaves those steps, and the next one, which holds the summary, out of the steady
+    state: the profiler slows the host."""
     import time
 
     import torch
@@ -124,6 +126,8 @@ def profiler_callback(path: Path, start: int, steps: int):
             self.t0 = 0.0
 
         def on_step_end(self, args, state, control, **kwargs):
+            if exclude is not None and start <= state.global_step <= start + steps:
+                exclude()  # the next step's interval
             if state.global_step == start and self.prof is None:
                 torch.cuda.synchronize()
                 self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

@@ -277,6 +277,9 @@ def _train(job: dict) -> dict | None:
         logging_steps=t.logging_steps, logging_first_step=True, save_strategy="steps", save_steps=save_steps,
         save_total_limit=t.save_total_limit, seed=t.seed, data_seed=t.seed, report_to=cfg.tracking.report_to,
         remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False,
+        # The filter tests every micro-batch's loss for NaN on the host, a device sync each time; a NaN loss is
+        # logged as it is instead of hidden behind the running average.
+        logging_nan_inf_filter=False,
         use_liger_kernel=use_liger,
         # compiled layers fuse norm, RoPE and SwiGLU themselves; Liger keeps the fused loss outside them
         liger_kernel_config={"rope": not tplan.compile_layers, "rms_norm": not tplan.compile_layers,
@@ -313,7 +316,7 @@ def _train(job: dict) -> dict | None:
         sharding.check_storage(shared)
     if job.get("profile") and on_gpu:  # the training benchmark's "where does the time go" window
         trainer.add_callback(profiler_callback(Path(job["profile"]["path"]), job["profile"]["start"],
-                                               job["profile"]["steps"]))
+                                               job["profile"]["steps"], clock.exclude))
     if trainer.is_world_process_zero():
         print(f"training: {layout}; {'fsdp' if fsdp else 'ddp'}; "
               f"checkpointing {'on' if tplan.gradient_checkpointing else 'off'}; "
