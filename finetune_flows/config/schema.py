@@ -198,12 +198,13 @@ class HardwareConfig(Section):
     memory_budget_gib: float | None = Field(
         None, gt=0, le=4096,
         description="GPU memory this run may use on each selected GPU, in GiB (a GPU shared with other work, or a "
-        "rehearsal of a smaller card); null: the whole GPU. The memory planner plans with 90% of it, or with 70% of "
-        "a GPU's free memory where that is less (others may share the GPU), choosing the 4-bit or the dequantized "
-        "base, checkpointing and micro-batch within it; the training and evaluation workers cap PyTorch's "
-        "allocator at it (torch.cuda.set_per_process_memory_fraction), so a plan that does not fit fails as on a "
-        "smaller GPU (an out-of-memory attempt is repeated with smaller micro-batches). The CUDA context and "
-        "NCCL's buffers lie outside the cap; the quantization and export steps are not capped. Refused before "
+        "rehearsal of a smaller card); null: the whole GPU. PyTorch's allocator gets it less 1.5 GiB for what the "
+        "process holds outside it (the CUDA context, loaded kernels); the memory planner plans with that, or with "
+        "70% of a GPU's free memory where that is less (others may share the GPU), choosing the 4-bit or the "
+        "dequantized base, checkpointing and micro-batch within it, and the training and evaluation workers cap "
+        "the allocator there (torch.cuda.set_per_process_memory_fraction), so a plan that does not fit fails as on "
+        "a smaller GPU (an out-of-memory attempt is repeated with smaller micro-batches). The quantization and "
+        "export steps are not capped. Refused before "
         "anything loads when it exceeds a selected GPU, or when the base (4-bit where quantized), the adapter and "
         "one `data.max_length` row with checkpointing do not fit in the part the planner uses. Ignored on the CPU.",
     )

@@ -34,7 +34,7 @@ from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.store.entries import Entry, reuse_or_record
 from finetune_flows.training.distributed import plan_problems, world_size
-from finetune_flows.training.planner import CAP_FRACTION, GIB, ModelShape, memory_parts
+from finetune_flows.training.planner import GIB, OUTSIDE_ALLOCATOR, ModelShape, allocator_bytes, memory_parts
 from finetune_flows.training.sharding import readable_model_config, resolve_strategy
 
 STACK = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "prefect", "kernels",
@@ -207,7 +207,7 @@ def budget_shortfall(cfg: FinetuneConfig, plan: Plan) -> str | None:
     """Why `hardware.memory_budget_gib` cannot train this model at all (None where it can, or where the model's shape
     cannot be read before it is fetched: the planner checks it then): the least a rank needs is its share of the
     base as loaded, the adapter with its gradients and optimizer state, and one `data.max_length` row with
-    activation checkpointing, in the share of the budget the planner plans with."""
+    activation checkpointing, in the allocator's share of the budget (planner.allocator_bytes)."""
     config = readable_model_config(cfg.model.source)
     if config is None:
         return None
@@ -218,7 +218,7 @@ def budget_shortfall(cfg: FinetuneConfig, plan: Plan) -> str | None:
                          fused_ce=plan.liger, dtype_bytes=4 if plan.compute_dtype == "float32" else 2,
                          upcast=plan.upcast_frozen, shards=shards)
     need = sum(parts.values())
-    if need <= budget * GIB * CAP_FRACTION:
+    if need <= allocator_bytes(budget):
         return None
     gib = {k: f"{v / GIB:.1f} GiB" for k, v in parts.items()}
     weights = "the base weights (linear layers in 4 bits)" if four_bit else "the base weights"
@@ -227,8 +227,9 @@ def budget_shortfall(cfg: FinetuneConfig, plan: Plan) -> str | None:
             + (f", sharded over {shards} ranks" if shards > 1 else "")
             + f", {gib['adapter']} for the LoRA adapter with its gradients and optimizer state, {gib['activations']} "
             f"for one {tokens}-token row (data.max_length) with activation checkpointing, {gib['reserve']} for the "
-            f"CUDA context and workspaces), and the planner plans with {CAP_FRACTION:.0%} of the budget: set at "
-            f"least {math.ceil(10 * need / GIB / CAP_FRACTION) / 10:.1f}, or null for the whole GPU")
+            f"allocator's slack and workspaces), beside {OUTSIDE_ALLOCATOR / GIB:.1f} GiB outside the allocator (the CUDA "
+            f"context): set at least {math.ceil(10 * (need + OUTSIDE_ALLOCATOR) / GIB) / 10:.1f}, or null for the "
+            "whole GPU")
 
 
 def report_markdown(env: EnvironmentReport, plan: Plan | None = None) -> str:

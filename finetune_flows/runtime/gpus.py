@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from finetune_flows.errors import EnvironmentMismatch
 from finetune_flows.logs import run_logger
+from finetune_flows.training.planner import allocator_bytes
 
 
 class GpuInfo(BaseModel):
@@ -178,14 +179,16 @@ _CAPS: dict[int, int] = {}  # CUDA device index -> bytes PyTorch's allocator may
 
 
 def cap_process_memory(budget_gib: float | None, device: int) -> float | None:
-    """Cap PyTorch's allocator on CUDA device `device` at `hardware.memory_budget_gib`, so that an allocation past
-    it raises an out-of-memory error as on a GPU that small. Returns the fraction of the device set (None: no cap)."""
+    """Cap PyTorch's allocator on CUDA device `device` at its share of `hardware.memory_budget_gib`, so that an
+    allocation past it raises an out-of-memory error as on a GPU that small. Returns the fraction of the device set (None: no cap)."""
     import torch
 
     if budget_gib is None:
         return None
     total = torch.cuda.get_device_properties(device).total_memory
-    fraction = min(1.0, budget_gib * 2**30 / total)  # the orchestrator refuses a budget over the GPU's memory
+    # the allocator's share of the budget (the CUDA context takes the rest); the orchestrator refuses a budget over
+    # the GPU's memory
+    fraction = min(1.0, allocator_bytes(budget_gib) / total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     _CAPS[device] = int(fraction * total)
     return fraction

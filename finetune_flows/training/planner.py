@@ -31,13 +31,14 @@ from pathlib import Path
 from pydantic import BaseModel
 
 GIB = 2**30
-CONTEXT_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL, allocator slack
+# Allocator slack, cuBLAS workspaces, NCCL buffers: with it the prediction matches the allocator's reserved peak.
+CONTEXT_RESERVE = 1.5 * GIB
 MIB = 2**20
 BUDGET_FRACTION = 0.70  # of a GPU's free memory: others may share the GPU and grow after we measured it
-# Of a declared hardware.memory_budget_gib: the workers cap the allocator at it and nothing else grows into it; the
-# reserve above holds the CUDA context, and reserved memory runs ~8% over the prediction (the measurements:
-# benchmarks/results/train-bench-1xGPU-20261203-122342/NOTE.md), so a plan at 90% stays under the budget.
-CAP_FRACTION = 0.90
+# Device memory a process holds outside PyTorch's allocator (the CUDA context, loaded kernels): ~1.3 GiB on an H200
+# (benchmarks/results/train-bench-1xGPU-20261204-*/NOTE.md). Of a declared hardware.memory_budget_gib the allocator
+# may hold the rest: the plan is made for it and the workers cap the allocator there, so the whole process fits.
+OUTSIDE_ALLOCATOR = 1.5 * GIB
 USEFUL_TOKENS = 4096  # below this a micro-batch underfills a data-centre GPU: worth checkpointing to get there
 MAX_MICRO_BATCH_TOKENS = 65536  # beyond this, larger micro-batches no longer speed anything up
 
@@ -166,15 +167,21 @@ def peak_bytes(shape: ModelShape, tokens: int, **kw) -> float:
     return sum(memory_parts(shape, tokens, **kw).values())
 
 
+def allocator_bytes(budget_gib: float) -> float:
+    """What PyTorch's allocator may hold under `hardware.memory_budget_gib`: the budget less OUTSIDE_ALLOCATOR."""
+    return budget_gib * GIB - OUTSIDE_ALLOCATOR
+
+
 def planning_bytes(free_mib: int | None, budget_gib: float | None = None) -> tuple[float | None, str]:
-    """The bytes a plan may use per GPU, and what they are: BUDGET_FRACTION of the free memory, or CAP_FRACTION of
-    `hardware.memory_budget_gib` where that is less; (None, "") on the CPU."""
+    """The bytes a plan may use per GPU, and what they are: BUDGET_FRACTION of the free memory, or the allocator's
+    share of `hardware.memory_budget_gib` (allocator_bytes) where that is less; (None, "") on the CPU."""
     if free_mib is None:
         return None, ""
     free = free_mib * MIB * BUDGET_FRACTION
-    if budget_gib is None or free <= budget_gib * GIB * CAP_FRACTION:
+    if budget_gib is None or free <= allocator_bytes(budget_gib):
         return free, f"{BUDGET_FRACTION:.0%} of the free memory"
-    return budget_gib * GIB * CAP_FRACTION, f"{CAP_FRACTION:.0%} of hardware.memory_budget_gib={budget_gib:g}"
+    return allocator_bytes(budget_gib), (f"hardware.memory_budget_gib={budget_gib:g} less {OUTSIDE_ALLOCATOR / GIB:.1f} "
+                                         "GiB outside the allocator")
 
 
 def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
