@@ -9,6 +9,7 @@ the adapter and `train_metrics.json`. The orchestrator side is training/train.py
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -338,6 +339,10 @@ def _train(job: dict) -> dict | None:
         set_peft_model_state_dict(model, load_file(resume / "adapter_model.safetensors"))
         trainer.state = TrainerState.load_from_json(str(resume / "trainer_state.json"))
     else:
+        # The model, the compiled graphs and the Trainer live for the whole run: frozen, the cyclic collector's full
+        # passes no longer walk them every few steps.
+        gc.collect()
+        gc.freeze()
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     seconds = time.perf_counter() - started
 
@@ -347,12 +352,14 @@ def _train(job: dict) -> dict | None:
         peak_allocated = torch.cuda.max_memory_allocated() / 2**20
         free, total = torch.cuda.mem_get_info()  # the whole device: our CUDA context, libraries' own buffers, others
         outside_allocator = (total - free - torch.cuda.memory_reserved()) / 2**20
+        alloc_retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)  # frees-and-retries at the cap
     else:
         peak_reserved = peak_allocated = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        alloc_retries = None
     record = {"rank": rank, "global_step": trainer.state.global_step, "tokens": collator.tokens,
               "peak_reserved_mb": peak_reserved, "peak_allocated_mb": peak_allocated,
               "loaded_allocated_mb": loaded_allocated, "load_peak_reserved_mb": load_peak_reserved,
-              "outside_allocator_mb": outside_allocator,
+              "outside_allocator_mb": outside_allocator, "alloc_retries": alloc_retries,
               "device_name": torch.cuda.get_device_name() if on_gpu else "cpu", "steps": clock.steps,
               "param_mb": sharding.local_parameter_mib(model)}
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
@@ -382,6 +389,8 @@ def _train(job: dict) -> dict | None:
         loaded_allocated_mb=None if not on_gpu else round(max(r["loaded_allocated_mb"] for r in records), 1),
         load_peak_reserved_mb=None if not on_gpu else round(max(r["load_peak_reserved_mb"] for r in records), 1),
         outside_allocator_mb=None if not on_gpu else round(max(r["outside_allocator_mb"] for r in records), 1),
+        alloc_retries=None if not on_gpu else max(r["alloc_retries"] for r in records),
+        step_seconds=[round(sec, 4) for _, sec, _, _ in clock.steps],
         steady_tokens_per_second=steady["tokens_per_second"], steady_state=steady,
         resumed_from_step=resumed_from,
         backend=backend, rank_steps=[r["global_step"] for r in records],
