@@ -29,22 +29,43 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from finetune_flows.data.dataset import load_split  # noqa: E402
+from finetune_flows.data.packing import TokenTally  # noqa: E402
 from finetune_flows.training.worker import StepClock, steady_state  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PEERS = ("unsloth", "trl", "trl-bf16")
 
 
-class TokenCounter:
-    """Wraps a peer's own collator and counts the real tokens of the rows it batches (padding-free or not)."""
+class TokenCounter(TokenTally):
+    """Wraps a peer's own collator: the real tokens of the rows it batches (padding-free or not) count when the model
+    runs the batch, as the seed's and ours do (TokenTally)."""
 
     def __init__(self, inner):
+        super().__init__()
         self.inner = inner
-        self.tokens = 0
 
     def __call__(self, rows):
-        self.tokens += sum(len(r["input_ids"]) for r in rows)
+        self.built(sum(len(r["input_ids"]) for r in rows))
         return self.inner(rows)
+
+
+def clocked(trainer, sync) -> tuple[TokenCounter, StepClock]:
+    """The bench's step clock and token count on a peer's trainer (`sync`: the device's synchronize)."""
+    from transformers import TrainerCallback
+
+    counter = TokenCounter(trainer.data_collator)
+    trainer.data_collator = counter
+    clock = StepClock(counter, sync, trainer.model)
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock.start()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_end(state.global_step)
+
+    trainer.add_callback(Clock())
+    return counter, clock
 
 
 def versions() -> dict[str, str | None]:
@@ -131,7 +152,6 @@ def main(job_path: str) -> None:
         import unsloth  # noqa: F401  (before torch's and transformers' first import, as Unsloth asks)
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
 
     out = Path(job["out"])
     on_gpu = torch.cuda.is_available()
@@ -141,23 +161,14 @@ def main(job_path: str) -> None:
         trainer, layout = build_unsloth(job, rows)
     else:
         trainer, layout = build_trl(job, rows, peer == "trl-bf16", on_gpu)
-    counter = TokenCounter(trainer.data_collator)
-    trainer.data_collator = counter
-    clock = StepClock(counter, torch.cuda.synchronize if on_gpu else (lambda: None))
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            clock.start()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.step_end(state.global_step)
-
-    trainer.add_callback(Clock())
+    counter, clock = clocked(trainer, torch.cuda.synchronize if on_gpu else (lambda: None))
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - started
+    if counter.tokens == 0:
+        raise RuntimeError(f"{peer}: no batch was counted (the clock's hook on the model never ran): no figure")
     trainer.model.save_pretrained(out / "adapter")
     curve = [(int(e["step"]), float(e["loss"])) for e in trainer.state.log_history if "loss" in e]
     result = {

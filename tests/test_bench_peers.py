@@ -68,13 +68,21 @@ def test_an_unknown_run_stops_the_bench_before_anything_runs():
 
 
 def test_the_peers_token_count_is_their_rows_real_tokens_whatever_their_collator_makes_of_them():
+    import torch
+
     peers = load_benchmark("peer_recipe")
     seen = []
     counter = peers.TokenCounter(
         lambda rows: seen.append(len(rows)) or {"flat": sum(len(r["input_ids"]) for r in rows)})
+    model = torch.nn.Identity()
+    counter.count_on(model)  # each batch's tokens count when the model runs it
     assert counter([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}]) == {"flat": 4}
     counter([{"input_ids": [5, 6]}])
-    assert counter.tokens == 6 and seen == [2, 1]
+    assert counter.tokens == 0 and seen == [2, 1]
+    model(torch.zeros(1))
+    assert counter.tokens == 4
+    model(torch.zeros(1))
+    assert counter.tokens == 6
 
 
 @pytest.mark.slow
@@ -112,3 +120,26 @@ def test_an_earlier_calls_rows_join_the_state_without_replacing_what_is_there(tm
     report = bench.build_report(state, SimpleNamespace(gpus=[], driver_version=None, cuda_version=None), "cmd")
     assert report["workload"] == {"qwen3-8b-4000-from151669": {"rows": 4000}}
     assert report["speedup"]["vs_best_peer"] == {"qwen3-8b": 1.67}
+
+
+def test_a_peers_trainer_is_clocked_like_ours_and_counts_the_tokens_its_model_ran(tmp_path):
+    """The peers cannot train here, but the clock wiring they share with the seed and ours (peer_recipe.clocked, whose
+    StepClock call once lagged a changed signature and failed every peer row on the GPU) runs on a real Trainer: one
+    timed interval per optimizer step, each with the real tokens of the rows its model ran."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from finetune_flows.training.worker import PadCollator
+
+    recipe = load_benchmark("peer_recipe")
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    lengths = [5, 7, 3, 9, 4, 6, 8, 2]
+    rows = [{"input_ids": [1 + i] * n, "labels": [1 + i] * n} for i, n in enumerate(lengths)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=2, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+                             remove_unused_columns=False, train_sampling_strategy="sequential")
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=PadCollator(0))
+    counter, clock = recipe.clocked(trainer, lambda: None)
+    trainer.train()
+    assert [(step, tokens) for step, _, tokens, _ in clock.steps] == [(1, sum(lengths[:4])), (2, sum(lengths[4:]))]
+    assert counter.tokens == sum(lengths) and all(seconds > 0 for _, seconds, _, _ in clock.steps)
