@@ -455,7 +455,7 @@ class Bench:
         data_obj = PreparedDataset(path=data, fingerprint="bench", format="text", train_rows=stats["rows"],
                                    eval_rows=EVAL_ROWS, train_tokens=stats["tokens"], truncated=0, dropped=0)
         tplan = training_plan(cfg, data_obj, base, plan, sel)
-        extra = {}
+        extra = {"steady_warmup": self.args.warmup}  # the steps the seed's and the peers' steady state leave out
         if profile:
             extra["profile"] = {"path": str(out / "profile.json"), "start": self.args.warmup + 2, "steps": 3}
         plan = plan.with_training(tplan)

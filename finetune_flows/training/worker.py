@@ -377,7 +377,8 @@ def _train(job: dict) -> dict | None:
     os.replace(tmp, adapter)
     curve = [(int(e["step"]), float(e["loss"])) for e in trainer.state.log_history if "loss" in e]
     total_tokens = sum(r["tokens"] for r in records)
-    warmup = max(2, len(clock.steps) // 10)
+    # the training bench names the warm-up its other rows leave out too; a flow run leaves out a tenth of its steps
+    warmup = int(job.get("steady_warmup") or max(2, len(clock.steps) // 10))
     steady = steady_state(clock.steps, sum(r["tokens"] for r in records) / max(record["tokens"], 1), warmup)
     result = dict(
         adapter_path=str(adapter), output_dir=str(out), fingerprint=job["fingerprint"],
