@@ -227,8 +227,8 @@ def budget_shortfall(cfg: FinetuneConfig, plan: Plan) -> str | None:
             + (f", sharded over {shards} ranks" if shards > 1 else "")
             + f", {gib['adapter']} for the LoRA adapter with its gradients and optimizer state, {gib['activations']} "
             f"for one {tokens}-token row (data.max_length) with activation checkpointing, {gib['reserve']} for the "
-            f"allocator's slack and workspaces), beside {OUTSIDE_ALLOCATOR / GIB:.1f} GiB outside the allocator (the CUDA "
-            f"context): set at least {math.ceil(10 * (need + OUTSIDE_ALLOCATOR) / GIB) / 10:.1f}, or null for the "
+            f"allocator's slack and workspaces), beside {OUTSIDE_ALLOCATOR / GIB:.1f} GiB outside the allocator (the "
+            f"CUDA context): set at least {math.ceil(10 * (need + OUTSIDE_ALLOCATOR) / GIB) / 10:.1f}, or null for the "
             "whole GPU")
 
 

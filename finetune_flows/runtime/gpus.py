@@ -180,7 +180,8 @@ _CAPS: dict[int, int] = {}  # CUDA device index -> bytes PyTorch's allocator may
 
 def cap_process_memory(budget_gib: float | None, device: int) -> float | None:
     """Cap PyTorch's allocator on CUDA device `device` at its share of `hardware.memory_budget_gib`, so that an
-    allocation past it raises an out-of-memory error as on a GPU that small. Returns the fraction of the device set (None: no cap)."""
+    allocation past it raises an out-of-memory error as on a GPU that small. Returns the fraction of the device set
+    (None: no cap)."""
     import torch
 
     if budget_gib is None:

@@ -36,7 +36,7 @@ CONTEXT_RESERVE = 1.5 * GIB
 MIB = 2**20
 BUDGET_FRACTION = 0.70  # of a GPU's free memory: others may share the GPU and grow after we measured it
 # Device memory a process holds outside PyTorch's allocator (the CUDA context, loaded kernels): ~1.3 GiB on an H200
-# (benchmarks/results/train-bench-1xGPU-20261204-*/NOTE.md). Of a declared hardware.memory_budget_gib the allocator
+# (benchmarks/results/train-bench-1xGPU-20261204-165245/NOTE.md). Of a declared hardware.memory_budget_gib the allocator
 # may hold the rest: the plan is made for it and the workers cap the allocator there, so the whole process fits.
 OUTSIDE_ALLOCATOR = 1.5 * GIB
 USEFUL_TOKENS = 4096  # below this a micro-batch underfills a data-centre GPU: worth checkpointing to get there
@@ -180,8 +180,8 @@ def planning_bytes(free_mib: int | None, budget_gib: float | None = None) -> tup
     free = free_mib * MIB * BUDGET_FRACTION
     if budget_gib is None or free <= allocator_bytes(budget_gib):
         return free, f"{BUDGET_FRACTION:.0%} of the free memory"
-    return allocator_bytes(budget_gib), (f"hardware.memory_budget_gib={budget_gib:g} less {OUTSIDE_ALLOCATOR / GIB:.1f} "
-                                         "GiB outside the allocator")
+    outside = f"{OUTSIDE_ALLOCATOR / GIB:.1f} GiB outside the allocator"
+    return allocator_bytes(budget_gib), f"hardware.memory_budget_gib={budget_gib:g} less {outside}"
 
 
 def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
