@@ -40,13 +40,33 @@ def _on_device(evt) -> bool:
     return getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type)
 
 
+# the host calls that put work on the GPU: the last one before a kernel that starts on an idle GPU launched it
+LAUNCH = re.compile(r"^(cuda|cu)(LaunchKernel|LaunchKernelEx|LaunchKernelExC|LaunchCooperativeKernel|GraphLaunch|"
+                    r"MemcpyAsync|MemsetAsync|Memcpy|Memset)(_v\d+)?$")
+
+
+def _launcher_name(launch) -> str:
+    """`outermost op > op that made the launch call`, e.g. `Optimizer.step#AdamW.step > aten::_foreach_mul_`."""
+    op = launch.cpu_parent or launch
+    outer = op
+    while outer.cpu_parent is not None:
+        outer = outer.cpu_parent
+    return (op.name if outer is op else f"{outer.name} > {op.name}")[:120]
+
+
 def idle_gaps(events, steps: int, top: int = 12) -> dict:
     """Where the GPU waits between kernels: each gap (no kernel running on any stream) is charged to the host op
-    that launched the kernel after it, named with its outermost enclosing op (`Optimizer.step#AdamW.step >
-    aten::_foreach_mul_`): the host was busy with that op, or with what preceded it, while the GPU had nothing to
-    run. `events`: a finished profiler's `events()`, whose CUDA kernels point to their launching op by
-    correlation id."""
-    launchers = {e.id: e for e in events if not _on_device(e) and not getattr(e, "is_async", False)}
+    whose launch call started the kernel after it: the last launch call (cudaLaunchKernel and kin) the host made
+    before that kernel began, named with its enclosing ops (`Optimizer.step#AdamW.step > aten::_foreach_mul_`). The
+    host was busy with that op, or with what preceded it, while the GPU had nothing to run. Matched by time, not by
+    the kernels' correlation ids, which did not name their launching ops on the GPU (every gap went to "Buffer
+    Flush": benchmarks/results/train-bench-1xGPU-20261204-165245/NOTE.md). `events`: a finished profiler's
+    `events()`."""
+    import bisect
+
+    launches = sorted((e for e in events if not _on_device(e) and LAUNCH.match(e.name)),
+                      key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in launches]
     kernels = sorted((e for e in events if _on_device(e) and not getattr(e, "is_user_annotation", False)),
                      key=lambda e: e.time_range.start)
     by_launcher: dict[str, float] = {}
@@ -57,12 +77,9 @@ def idle_gaps(events, steps: int, top: int = 12) -> dict:
             gap = (k.time_range.start - busy_until) / 1e3
             gaps += gap
             large += gap >= 0.05
-            op = launchers.get(getattr(k, "linked_correlation_id", 0))
-            outer = op
-            while outer is not None and outer.cpu_parent is not None:
-                outer = outer.cpu_parent
-            name = "?" if op is None else op.name if outer is op else f"{outer.name} > {op.name}"
-            by_launcher[name[:120]] = by_launcher.get(name[:120], 0.0) + gap
+            i = bisect.bisect_right(starts, k.time_range.start) - 1
+            name = _launcher_name(launches[i]) if i >= 0 else "?"
+            by_launcher[name] = by_launcher.get(name, 0.0) + gap
         busy_until = k.time_range.end if busy_until is None else max(busy_until, k.time_range.end)
     return {"gap_ms_per_step": round(gaps / steps, 2), "gaps_of_50us_or_more_per_step": round(large / steps, 1),
             "gap_ms_per_step_by_next_launch": [(n, round(ms / steps, 3))
