@@ -349,3 +349,30 @@ def test_child_pythons_started_by_tests_keep_the_pythonpath_they_inherit(tmp_pat
     seen = subprocess.run([sys.executable, "-c", "import os, tasks; print(os.environ.get('CARRIED_SITE'))"], env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert seen.returncode == 0 and seen.stdout.strip() == "yes", seen.stderr  # both the checkout and the carried site
+
+
+def test_the_stop_vote_of_one_rank_makes_no_collective(tmp_path, monkeypatch):
+    """Each training step asks every rank whether any was told to stop (a MAX all-reduce, whose .item() waits for
+    the device on NCCL); one rank has nothing to agree on and answers without it. Two gloo ranks still vote."""
+    import torch.distributed as dist
+
+    from finetune_flows.runtime.lifecycle import _any_rank
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        def refused(*args, **kwargs):
+            raise AssertionError("one rank made a collective")
+
+        monkeypatch.setattr(dist, "all_reduce", refused)
+        assert _any_rank(True) is True and _any_rank(False) is False
+    finally:
+        dist.destroy_process_group()
+    script = ("import sys, torch.distributed as dist\n"
+              "from finetune_flows.runtime.lifecycle import _any_rank\n"
+              "rank = int(sys.argv[1])\n"
+              f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'two'}', rank=rank, world_size=2)\n"
+              "print(_any_rank(rank == 1))\n"
+              "dist.destroy_process_group()\n")
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, text=True,
+                              env=child_env()) for r in (0, 1)]
+    assert [p.communicate(timeout=120)[0].strip() for p in ranks] == ["True", "True"]
