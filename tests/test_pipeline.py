@@ -67,13 +67,17 @@ def test_whole_flow_produces_an_evaluated_adapter(first_run):
 
 def test_second_identical_run_is_served_from_cache(first_run, shared_cache):
     result, runs, first_seconds = first_run
+    manifest = Path(result.train.adapter_path).parent / "manifest.json"  # the adapter's store entry
+    committed = manifest.stat().st_mtime_ns
     started = time.perf_counter()
     again = finetune(tiny_config(shared_cache / "pipeline", runs))
     seconds = time.perf_counter() - started
     assert again.cached_steps == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter"]
     assert again.run_dir != result.run_dir and (result.run_dir / "summary.json").is_file()  # earlier run untouched
     assert again.eval.adapter.loss == result.eval.adapter.loss
-    assert again.step_seconds["train-adapter"] < result.step_seconds["train-adapter"] / 2  # read back, not trained
+    # read back, not trained: the entry is as the first run committed it (the step's wall time is no witness: a
+    # tagged task's concurrency round trip to a SQLite-backed server took up to 2 s here, the tiny training 2.6 s)
+    assert manifest.stat().st_mtime_ns == committed and again.train.adapter_path == result.train.adapter_path
     assert seconds < first_seconds / 2, (seconds, first_seconds)
 
 
