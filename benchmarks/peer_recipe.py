@@ -51,20 +51,10 @@ class TokenCounter(TokenTally):
 
 def clocked(trainer, sync) -> tuple[TokenCounter, StepClock]:
     """The bench's step clock and token count on a peer's trainer (`sync`: the device's synchronize)."""
-    from transformers import TrainerCallback
-
     counter = TokenCounter(trainer.data_collator)
     trainer.data_collator = counter
     clock = StepClock(counter, sync, trainer.model)
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            clock.start()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.step_end(state.global_step)
-
-    trainer.add_callback(Clock())
+    trainer.add_callback(clock.callback())
     return counter, clock
 
 

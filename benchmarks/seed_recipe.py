@@ -27,8 +27,7 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def main(job_path: str) -> None:
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import (AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainerCallback,
-                              TrainingArguments, set_seed)
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments, set_seed
 
     job = json.loads(Path(job_path).read_text())
     out = Path(job["out"])
@@ -52,15 +51,7 @@ def main(job_path: str) -> None:
         report_to=[], remove_unused_columns=False, disable_tqdm=True, seed=job["seed"], optim="adamw_torch",
     )
     clock = StepClock(collator, torch.cuda.synchronize if on_gpu else (lambda: None), model)
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            clock.start()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.step_end(state.global_step)
-
-    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator, callbacks=[Clock()])
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator, callbacks=[clock.callback()])
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()

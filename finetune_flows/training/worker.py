@@ -100,11 +100,29 @@ class StepClock:
         next step's interval."""
         self._excluded = True
 
+    def callback(self):
+        """A TrainerCallback that starts this clock with training and ends a step at each optimizer step (the seed
+        and peer recipes' clock; the rank body's progress callback drives it itself)."""
+        from transformers import TrainerCallback
 
-def steady_state(per_step: list[tuple[int, float, int, bool]], world_tokens_factor: float, warmup: int,
+        clock = self
+
+        class Clock(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                clock.start()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                clock.step_end(state.global_step)
+
+        return Clock()
+
+
+def steady_state(per_step: list[tuple[int, float, int, bool]], world_tokens_factor: float, warmup: int | None = None,
                  window: int = 5) -> dict[str, float | int | None]:
-    """Median and spread of tokens/s over windows of `window` steps after `warmup`, without the excluded steps
-    (saves, compilation)."""
+    """Median and spread of tokens/s over windows of `window` steps after `warmup` (None: a tenth of the steps, at
+    least 2), without the excluded steps (saves, compilation)."""
+    if warmup is None:
+        warmup = max(2, len(per_step) // 10)
     steady = [(s, sec, tok) for s, sec, tok, excluded in per_step if s > warmup and not excluded]
     windows = [steady[i:i + window] for i in range(0, len(steady) - window + 1, window)]
     rates = [sum(t for _, _, t in w) * world_tokens_factor / sum(sec for _, sec, _ in w) for w in windows]
@@ -205,6 +223,46 @@ def build_model(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, base_path:
     return model
 
 
+def training_arguments(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, out: Path, batch_args: dict,
+                       on_gpu: bool, use_liger: bool, **extra):
+    """The Trainer's arguments for a rank: the config's train section, the plan, the batch layout (`batch_args`) and
+    `extra` (FSDP's)."""
+    from transformers import TrainingArguments
+
+    t = cfg.train
+    steps = batch_args["max_steps"]
+    save_steps = min(t.save_steps, steps) if steps > 0 else t.save_steps  # a short run still leaves a checkpoint
+    return TrainingArguments(
+        output_dir=str(out / "checkpoints"), **batch_args,
+        learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, optim=t.optimizer,
+        bf16=plan.precision == "bf16", fp16=plan.precision == "fp16", use_cpu=not on_gpu,
+        ddp_backend="nccl" if on_gpu else "gloo", ddp_find_unused_parameters=False,
+        logging_steps=t.logging_steps, logging_first_step=True, save_strategy="steps", save_steps=save_steps,
+        save_total_limit=t.save_total_limit, seed=t.seed, data_seed=t.seed, report_to=cfg.tracking.report_to,
+        remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False,
+        # The filter tests every micro-batch's loss for NaN on the host, a device sync each time; a NaN loss is
+        # logged as it is instead of hidden behind the running average.
+        logging_nan_inf_filter=False,
+        use_liger_kernel=use_liger,
+        # compiled layers fuse norm, RoPE and SwiGLU themselves; Liger keeps the fused loss outside them
+        liger_kernel_config={"rope": not tplan.compile_layers, "rms_norm": not tplan.compile_layers,
+                             "swiglu": not tplan.compile_layers, "fused_linear_cross_entropy": True},
+        **extra,
+    )
+
+
+def train_with_frozen_heap(trainer, resume: Path | None) -> None:
+    """Train with what exists now frozen out of the cyclic collector: the model, the compiled graphs and the Trainer
+    live for the whole run, and the collector's full passes would walk them every few steps."""
+    gc.collect()
+    gc.freeze()
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    finally:
+        gc.unfreeze()
+
+
 # ---------------------------------------------------------------- the rank body
 
 
@@ -225,7 +283,7 @@ def use_device(plan: Plan, budget_gib: float | None, local_rank: int) -> bool:
 def _train(job: dict) -> dict | None:
     import torch
     import torch.distributed as dist
-    from transformers import AutoTokenizer, PrinterCallback, Trainer, TrainingArguments, set_seed
+    from transformers import AutoTokenizer, PrinterCallback, Trainer, set_seed
 
     cfg = FinetuneConfig.model_validate(job["config"])
     plan = Plan.model_validate(job["plan"])
@@ -268,25 +326,8 @@ def _train(job: dict) -> dict | None:
         layout = f"padded batches of {rows_per_micro} rows x {batch_args['gradient_accumulation_steps']} accumulation"
     steps = batch_args["max_steps"]
     fsdp = plan.strategy == "fsdp"
-    save_steps = min(t.save_steps, steps) if steps > 0 else t.save_steps  # a short run still leaves a checkpoint
-    args = TrainingArguments(
-        output_dir=str(out / "checkpoints"), **batch_args,
-        learning_rate=t.learning_rate, lr_scheduler_type=t.lr_scheduler, warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, optim=t.optimizer,
-        bf16=plan.precision == "bf16", fp16=plan.precision == "fp16", use_cpu=not on_gpu,
-        ddp_backend="nccl" if on_gpu else "gloo", ddp_find_unused_parameters=False,
-        logging_steps=t.logging_steps, logging_first_step=True, save_strategy="steps", save_steps=save_steps,
-        save_total_limit=t.save_total_limit, seed=t.seed, data_seed=t.seed, report_to=cfg.tracking.report_to,
-        remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False,
-        # The filter tests every micro-batch's loss for NaN on the host, a device sync each time; a NaN loss is
-        # logged as it is instead of hidden behind the running average.
-        logging_nan_inf_filter=False,
-        use_liger_kernel=use_liger,
-        # compiled layers fuse norm, RoPE and SwiGLU themselves; Liger keeps the fused loss outside them
-        liger_kernel_config={"rope": not tplan.compile_layers, "rms_norm": not tplan.compile_layers,
-                             "swiglu": not tplan.compile_layers, "fused_linear_cross_entropy": True},
-        **(sharding.trainer_kwargs(model) if fsdp else {}),
-    )
+    args = training_arguments(cfg, plan, tplan, out, batch_args, on_gpu, use_liger,
+                              **(sharding.trainer_kwargs(model) if fsdp else {}))
     last_checkpoint(out / "checkpoints")  # removes a checkpoint left half-written
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(out / "tensorboard"))  # copied into each run's directory
     trainer_class = sharding.trainer_class(plan.compute_dtype) if fsdp else Trainer
@@ -339,11 +380,7 @@ def _train(job: dict) -> dict | None:
         set_peft_model_state_dict(model, load_file(resume / "adapter_model.safetensors"))
         trainer.state = TrainerState.load_from_json(str(resume / "trainer_state.json"))
     else:
-        # The model, the compiled graphs and the Trainer live for the whole run: frozen, the cyclic collector's full
-        # passes no longer walk them every few steps.
-        gc.collect()
-        gc.freeze()
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        train_with_frozen_heap(trainer, resume)
     seconds = time.perf_counter() - started
 
     outside_allocator = None
@@ -377,9 +414,9 @@ def _train(job: dict) -> dict | None:
     os.replace(tmp, adapter)
     curve = [(int(e["step"]), float(e["loss"])) for e in trainer.state.log_history if "loss" in e]
     total_tokens = sum(r["tokens"] for r in records)
-    # the training bench names the warm-up its other rows leave out too; a flow run leaves out a tenth of its steps
-    warmup = int(job.get("steady_warmup") or max(2, len(clock.steps) // 10))
-    steady = steady_state(clock.steps, sum(r["tokens"] for r in records) / max(record["tokens"], 1), warmup)
+    # the training bench names the warm-up its other rows leave out too (steady_warmup)
+    steady = steady_state(clock.steps, sum(r["tokens"] for r in records) / max(record["tokens"], 1),
+                          job.get("steady_warmup"))
     result = dict(
         adapter_path=str(adapter), output_dir=str(out), fingerprint=job["fingerprint"],
         steps=trainer.state.global_step, world_size=world, device=plan.device, loss_curve=curve,
