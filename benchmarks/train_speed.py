@@ -517,6 +517,8 @@ class Bench:
             "layout": r.get("layout", ""), "overrides": r.get("overrides", []), "allocator": r.get("allocator"),
             "attention_choice": r.get("attention_choice"),
             "training_plan": r.get("training_plan"), "profile": r.get("profile"),
+            # ours: each step's seconds and the allocator's frees-and-retries at its cap (None on the CPU)
+            "step_seconds": r.get("step_seconds"), "alloc_retries": r.get("alloc_retries"),
             "flops_per_token": mshape.flops_per_token(stats["mean_length"]),
         }
         print(f"[{name}] {steady} tokens/s (min {row['tokens_per_second_min']}, max {row['tokens_per_second_max']}), "

@@ -35,6 +35,10 @@ def test_training_benchmark_smoke_run_writes_the_report(tmp_path):
         assert run["train_seconds"] > 0 and isinstance(run["warmup_overhead_seconds"], float)
         assert run["warmup_overhead_seconds"] < run["train_seconds"]
     assert 0 < ours["loss_curve"][-1][0] <= ours["steps"] and ours["grad_norms"] and ours["grad_norms"][0][1] > 0
+    assert len(ours["step_seconds"]) == ours["steps"] and all(s > 0 for s in ours["step_seconds"])
+    assert ours["alloc_retries"] is None  # no CUDA allocator here
+    job = json.loads((tmp_path / "state" / "out" / "ours-tiny-llama" / "train.job.json").read_text())
+    assert job["steady_warmup"] == 2  # the warm-up the seed's steady state leaves out (--smoke's)
     assert "| seed-tiny-llama |" in (out / "report.md").read_text()
 
 

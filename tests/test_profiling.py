@@ -92,3 +92,34 @@ def test_the_training_report_shows_a_profiled_runs_kernels_and_host_side():
             "cudaStreamSynchronize 5.0 ms, cudaLaunchKernel 4.23 ms") in text
     assert ("GPU idle between kernels 49.55 ms per step (0.5 gaps of 50 us or more), before kernels launched by: "
             "Optimizer.step#AdamW.step > aten::_foreach_mul_ 49.53 ms, aten::mm 0.02 ms") in text
+
+
+def test_the_profiled_steps_and_the_one_holding_the_summary_are_left_out_of_the_steady_state(tmp_path, monkeypatch):
+    """The profiler slows the host: the callback excludes (in the step clock) steps start+1..start+steps and the
+    step after them, in which the summary is written (CUDA and the profiler stood in for: no GPU here)."""
+    from types import SimpleNamespace
+
+    import finetune_flows.training.profiling as profiling
+
+    class Profile:
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(profiling, "summarize", lambda prof, wall, steps: {"steps": steps})
+    excluded_after = []
+    callback = profiling.profiler_callback(tmp_path / "profile.json", start=3, steps=2,
+                                           exclude=lambda: excluded_after.append(state.global_step))
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+    for step in range(1, 9):
+        state.global_step = step
+        callback.on_step_end(None, state, None)
+    assert excluded_after == [3, 4, 5]  # so the intervals of steps 4, 5 (profiled) and 6 (the summary) are left out
+    assert (tmp_path / "profile.json").read_text().strip().startswith("{")

@@ -242,3 +242,82 @@ def test_every_step_is_timed_with_its_own_tokens_the_last_one_included(tmp_path,
     assert steady_text(steady_state(clock.steps, 1.0, 2)) == (
         "no steady-state figure: 2 step(s) after the 2-step warm-up (checkpoint and compiling steps left out), "
         "fewer than one 5-step window")
+
+
+RANK_TRAINER = """
+import gc, json, sys
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import Trainer, TrainerCallback
+
+from finetune_flows.config.plan import Plan
+from finetune_flows.config.schema import load_config
+from finetune_flows.training.distributed import single_rank_defaults
+from finetune_flows.training.planner import TrainingPlan
+from finetune_flows.training.worker import PadCollator, train_with_frozen_heap, training_arguments
+from tests.test_packing import random_rows, tiny_qwen3
+
+single_rank_defaults()  # a rank of one, as the worker runs without torchrun
+cfg = load_config(None, ["train.logging_steps=100", "train.save_steps=100", "tracking.report_to=[]"])
+plan = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa", eval_attn="sdpa")
+tplan = TrainingPlan(packing=False, micro_batch_tokens=0, micro_batch_rows=2, gradient_accumulation_steps=2,
+                     gradient_checkpointing=False, tokens_per_step=40.0, predicted_peak_gib=0.0, budget_gib=None,
+                     reasons=[])
+args = training_arguments(cfg, plan, tplan, __import__("pathlib").Path(sys.argv[1]),
+                          dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3),
+                          on_gpu=False, use_liger=False)
+model = get_peft_model(tiny_qwen3(2).train(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                       task_type="CAUSAL_LM"))
+truths, frozen = [], []
+plain = torch.Tensor.__bool__
+
+def counted(self):  # a tensor's truth tested in the Trainer's own code
+    if sys._getframe(1).f_code.co_filename.endswith("transformers/trainer.py"):
+        truths.append(sys._getframe(1).f_code.co_name)
+    return plain(self)
+
+class Frozen(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        frozen.append(gc.get_freeze_count())
+
+trainer = Trainer(model=model, args=args, train_dataset=random_rows([6, 9, 4, 11, 7, 5] * 2),
+                  data_collator=PadCollator(0), callbacks=[Frozen()])
+torch.Tensor.__bool__ = counted
+train_with_frozen_heap(trainer, None)
+torch.Tensor.__bool__ = plain
+print(json.dumps({"steps": trainer.state.global_step, "truths": truths, "frozen": frozen,
+                  "after": gc.get_freeze_count()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def rank_training(tmp_path_factory):
+    """The rank body's Trainer set-up (training_arguments, train_with_frozen_heap) on a tiny model in a CPU process
+    of its own: 3 steps of 2 micro-batches."""
+    import json
+
+    out = tmp_path_factory.mktemp("rank")
+    proc = subprocess.run([sys.executable, "-c", RANK_TRAINER, str(out)], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_ranks_training_loop_reads_no_tensor_on_the_host_per_micro_batch(rank_training):
+    """On a GPU, a tensor read on the host in a Python `if` waits for the device: the Trainer's NaN filter did so
+    after every micro-batch's backward pass (isnan and isinf of the loss). The rank body's arguments leave it off, so
+    the Trainer's loop tests no tensor's truth at all (its logging steps read the loss with .item(), none here)."""
+    assert rank_training["steps"] == 3 and rank_training["truths"] == []
+
+
+def test_the_rank_trains_with_the_heap_frozen_and_thaws_it_after(rank_training):
+    assert len(rank_training["frozen"]) == 3 and all(n > 0 for n in rank_training["frozen"])
+    assert rank_training["after"] == 0
+
+def test_the_steady_state_leaves_out_the_warm_up_it_is_given_or_a_tenth_of_the_steps():
+    from finetune_flows.training.worker import steady_state
+
+    steps = [(i, 2.0 if i == 3 else 1.0, 100, False) for i in range(1, 21)]  # step 3 slow, 100 tokens each
+    assert steady_state(steps, 1.0)["min"] == round(500 / 6, 1)  # 20 steps: 2 left out, step 3 in a window
+    assert steady_state(steps, 1.0, 4) == {"tokens_per_second": 100.0, "min": 100.0, "max": 100.0, "windows": 3,
+                                           "steps": 16}
