@@ -123,9 +123,8 @@ def test_an_earlier_calls_rows_join_the_state_without_replacing_what_is_there(tm
 
 
 def test_a_peers_trainer_is_clocked_like_ours_and_counts_the_tokens_its_model_ran(tmp_path):
-    """The peers cannot train here, but the clock wiring they share with the seed and ours (peer_recipe.clocked, whose
-    StepClock call once lagged a changed signature and failed every peer row on the GPU) runs on a real Trainer: one
-    timed interval per optimizer step, each with the real tokens of the rows its model ran."""
+    """The peers cannot train here, but their clock wiring (peer_recipe.clocked: the seed's and ours' StepClock) runs
+    on a real Trainer: one timed interval per optimizer step, each with the real tokens of the rows its model ran."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     from finetune_flows.training.worker import PadCollator

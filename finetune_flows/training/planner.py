@@ -35,9 +35,10 @@ GIB = 2**30
 CONTEXT_RESERVE = 1.5 * GIB
 MIB = 2**20
 BUDGET_FRACTION = 0.70  # of a GPU's free memory: others may share the GPU and grow after we measured it
-# Device memory a process holds outside PyTorch's allocator (the CUDA context, loaded kernels): ~1.3 GiB on an H200
-# (benchmarks/results/train-bench-1xGPU-20261204-165245/NOTE.md). Of a declared hardware.memory_budget_gib the allocator
-# may hold the rest: the plan is made for it and the workers cap the allocator there, so the whole process fits.
+# Device memory a process holds outside PyTorch's allocator (the CUDA context, loaded kernels; the measurement:
+# benchmarks/results/train-bench-1xGPU-20261204-165245/NOTE.md). Of a declared hardware.memory_budget_gib the
+# allocator may hold the rest: the plan is made for it and the workers cap the allocator there, so the whole process
+# fits.
 OUTSIDE_ALLOCATOR = 1.5 * GIB
 USEFUL_TOKENS = 4096  # below this a micro-batch underfills a data-centre GPU: worth checkpointing to get there
 MAX_MICRO_BATCH_TOKENS = 65536  # beyond this, larger micro-batches no longer speed anything up

@@ -58,10 +58,8 @@ def idle_gaps(events, steps: int, top: int = 12) -> dict:
     """Where the GPU waits between kernels: each gap (no kernel running on any stream) is charged to the host op
     whose launch call started the kernel after it: the last launch call (cudaLaunchKernel and kin) the host made
     before that kernel began, named with its enclosing ops (`Optimizer.step#AdamW.step > aten::_foreach_mul_`). The
-    host was busy with that op, or with what preceded it, while the GPU had nothing to run. Matched by time, not by
-    the kernels' correlation ids, which did not name their launching ops on the GPU (every gap went to "Buffer
-    Flush": benchmarks/results/train-bench-1xGPU-20261204-165245/NOTE.md). `events`: a finished profiler's
-    `events()`."""
+    host was busy with that op, or with what preceded it, while the GPU had nothing to run. Matched by time: the
+    kernels' correlation ids need not name their launching ops. `events`: a finished profiler's `events()`."""
     import bisect
 
     launches = sorted((e for e in events if not _on_device(e) and LAUNCH.match(e.name)),
