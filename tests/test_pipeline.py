@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -21,9 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def first_run(prefect_server, shared_cache, tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
-    started = time.perf_counter()
-    result = finetune(tiny_config(shared_cache / "pipeline", runs, **{"export.merge": True}))
-    return result, runs, time.perf_counter() - started
+    return finetune(tiny_config(shared_cache / "pipeline", runs, **{"export.merge": True})), runs
 
 
 def artifact_keys_of_latest_flow_run() -> set[str]:
@@ -39,7 +36,7 @@ def artifact_keys_of_latest_flow_run() -> set[str]:
 
 
 def test_whole_flow_produces_an_evaluated_adapter(first_run):
-    result, runs, _ = first_run
+    result, runs = first_run
     run_dir = result.run_dir
     assert run_dir.parent == runs
     resolved = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
@@ -66,29 +63,26 @@ def test_whole_flow_produces_an_evaluated_adapter(first_run):
 
 
 def test_second_identical_run_is_served_from_cache(first_run, shared_cache):
-    result, runs, first_seconds = first_run
+    result, runs = first_run
     manifest = Path(result.train.adapter_path).parent / "manifest.json"  # the adapter's store entry
     committed = manifest.stat().st_mtime_ns
-    started = time.perf_counter()
     again = finetune(tiny_config(shared_cache / "pipeline", runs))
-    seconds = time.perf_counter() - started
     assert again.cached_steps == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter"]
     assert again.run_dir != result.run_dir and (result.run_dir / "summary.json").is_file()  # earlier run untouched
     assert again.eval.adapter.loss == result.eval.adapter.loss
-    # read back, not trained: the entry is as the first run committed it (the step's wall time is no witness: it
-    # holds Prefect's round trips for the task's tag concurrency slots, which can outlast the tiny training)
+    # read back, not trained: the entry is as the first run committed it (wall time is no witness: the run's Prefect
+    # round trips, tag concurrency slots among them, can outlast the tiny training on a loaded host)
     assert manifest.stat().st_mtime_ns == committed and again.train.adapter_path == result.train.adapter_path
-    assert seconds < first_seconds / 2, (seconds, first_seconds)
 
 
 def test_changing_a_training_hyperparameter_retrains_only(first_run, shared_cache):
-    _, runs, _ = first_run
+    _, runs = first_run
     changed = finetune(tiny_config(shared_cache / "pipeline", runs, **{"train.learning_rate": 5e-4}))
     assert changed.cached_steps == ["prepare-dataset", "quantize-base-model"]
 
 
 def test_another_evaluation_backend_reevaluates_the_same_adapter_without_retraining(first_run, shared_cache):
-    result, runs, _ = first_run
+    result, runs = first_run
     eager = finetune(tiny_config(shared_cache / "pipeline", runs, **{"eval.attn_implementation": "eager"}))
     assert eager.cached_steps == ["prepare-dataset", "quantize-base-model", "train-adapter"]
     assert eager.train.output_dir == result.train.output_dir  # the very adapter the sdpa evaluation scored
@@ -102,7 +96,7 @@ def test_another_evaluation_backend_reevaluates_the_same_adapter_without_retrain
 def test_deleted_cache_outputs_are_rebuilt_not_trusted(first_run, shared_cache):
     import shutil
 
-    result, runs, _ = first_run
+    result, runs = first_run
     shutil.rmtree(Path(result.eval.path).parent)
     again = finetune(tiny_config(shared_cache / "pipeline", runs))
     assert "evaluate-adapter" not in again.cached_steps and Path(again.eval.path).is_file()
@@ -134,7 +128,7 @@ def test_four_bit_checkpoint_loads_as_bitsandbytes_layers(first_run):
 
     from finetune_flows.models.quantize import QuantizedModel
 
-    result, _, _ = first_run
+    result, _ = first_run
     quantized = [p for p in Path(result.train.output_dir).parent.parent.glob("quantized/*/quantization.json")]
     assert quantized
     q = QuantizedModel.model_validate_json(quantized[0].read_text())
@@ -164,7 +158,7 @@ def test_resume_skips_a_checkpoint_left_half_written_or_missing_a_file(tmp_path)
 
 
 def test_run_directory_holds_plots_logs_and_the_merged_model(first_run):
-    result, _, _ = first_run
+    result, _ = first_run
     run_dir = result.run_dir
     assert result.plots == [run_dir / "plots" / "loss.png", run_dir / "plots" / "eval.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000 for p in result.plots)
@@ -221,7 +215,7 @@ def test_consecutive_runs_are_compared_in_the_ui_and_on_the_command_line(first_r
 def test_export_flow_merges_an_existing_adapter(first_run, capsys):
     from flows.export import main as export_main
 
-    result, runs, _ = first_run
+    result, runs = first_run
     assert export_main(["--adapter", str(result.adapter_path)]) == 0
     (export_dir,) = runs.glob("tiny-export-*")
     merged = export_dir / "merged"
@@ -240,7 +234,7 @@ def test_evaluate_flow_scores_the_merged_checkpoint_beside_base_and_adapter(firs
     from finetune_flows.evaluation.adapters import EvaluationResult
     from finetune_flows.evaluation.evaluate import EvalReport, checkpoint_fingerprint
 
-    result, runs, _ = first_run
+    result, runs = first_run
     merged = result.run_dir / "merged"
     card = (merged / "README.md").read_text()
     assert f"python flows/evaluate.py --merged {merged}" in card
