@@ -108,6 +108,8 @@ server pool limits deploy worker: export PREFECT_API_URL ?= http://127.0.0.1:$(P
 server: export PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE ?= prefect.server.concurrency.lease_storage.filesystem
 
 .PHONY: server pool limits deploy worker test-deps
+# The server and the worker end with this make, whatever ends it, SIGKILL too (finetune_flows/runtime/tether.py).
+TETHER = $(PY) -m finetune_flows.runtime.tether --parent $$PPID --
 
 # The embedded SQLite database lives in $$PREFECT_HOME (~/.prefect); PREFECT_SERVER_DATABASE_CONNECTION_URL
 # selects PostgreSQL instead. A server listening beyond this machine must require authentication: set
@@ -119,7 +121,7 @@ server: setup
 	    echo "make server: PREFECT_HOST=$(PREFECT_HOST) exposes the API beyond this machine without authentication;" \
 	         "set PREFECT_SERVER_API_AUTH_STRING=user:password (clients: PREFECT_API_AUTH_STRING) or ALLOW_NO_AUTH=1" >&2; \
 	    exit 2; fi ;; esac
-	$(PREFECT) server start --host $(PREFECT_HOST) --port $(PREFECT_PORT)
+	exec $(TETHER) $(PREFECT) server start --host $(PREFECT_HOST) --port $(PREFECT_PORT)
 
 # The pool's base job template fixes the runs' command and environment: a run cannot set `command`, `env` or
 # `working_dir` (deployments/README.md, threat model). An existing pool gets the template too.
@@ -144,7 +146,7 @@ FINETUNE_FLOWS_POLICY ?= $(HOME)/.config/finetune-flows/worker-policy.yaml
 worker: pool limits
 	$(PY) -m finetune_flows.runtime.policy $(FINETUNE_FLOWS_POLICY)
 	FINETUNE_FLOWS_POLICY=$(FINETUNE_FLOWS_POLICY) FINETUNE_FLOWS_ROOT=$(CURDIR) \
-	  $(PY) -m deployments.worker --pool $(POOL) --name $(POOL)-$$(hostname)
+	  exec $(TETHER) $(PY) -m deployments.worker --pool $(POOL) --name $(POOL)-$$(hostname)
 
 # The deployment tests drive the Prefect UI in headless Chromium (Debian's package; CI runs as root).
 test-deps:
