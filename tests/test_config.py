@@ -64,6 +64,14 @@ def test_impossible_combinations():
     assert "pick one dtype" in str(info.value) and "paged_adamw_8bit needs bitsandbytes" in str(info.value)
 
 
+def test_cuda_graphs_with_a_setting_that_rules_them_out_is_refused():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.cuda_graphs=true", "train.packing=false", "train.gradient_checkpointing=true"])
+    assert ("train.cuda_graphs=true with train.packing=false and train.gradient_checkpointing=true: CUDA graphs "
+            "replay compiled layers of packed micro-batches of one shape") in str(info.value)
+    assert load_config(None, ["train.cuda_graphs=true"]).train.cuda_graphs  # auto settings leave it to the planner
+
+
 def test_checkpoint_cadence_adapts_to_short_runs():
     # a run shorter than save_steps still checkpoints (at its last step): no error for `--set train.max_steps=5`
     assert load_config("configs/demo.yaml", ["train.max_steps=5"]).train.save_steps == 10

@@ -292,3 +292,101 @@ def test_compiled_layers_under_activation_checkpointing_train_as_the_eager_layer
     assert grads.keys() == want_grads.keys() and all(g is not None for g in grads.values())
     for name, grad in grads.items():
         torch.testing.assert_close(grad, want_grads[name], msg=name)
+
+
+def lora_tiny():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_qwen3(2).train(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                           target_modules="all-linear", task_type="CAUSAL_LM",
+                                                           init_lora_weights=False))
+    model.config.use_cache = False
+    use_packed_attention(model, "rows")
+    return model
+
+
+def losses_and_grads(model, collator, packs):
+    batches = [collator([pack]) for pack in packs]
+    losses = [model(**batch).loss for batch in batches]
+    sum(losses).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n}
+    model.zero_grad(set_to_none=True)
+    return batches, [x.detach() for x in losses], grads
+
+
+def test_fixed_shape_micro_batches_share_one_shape_and_train_as_the_packed_ones_do():
+    """CUDA graphs replay one shape: every micro-batch is padded to it with ignored rows of their own, and the loss
+    and LoRA gradients are those of the packed micro-batches without padding."""
+    from finetune_flows.data.packing import FixedShape
+
+    packs = [random_rows([5, 17]), random_rows([30, 2, 11, 6], seed=1), []]  # [] an empty piece of a split pack
+    model = lora_tiny()
+    _, want_losses, want_grads = losses_and_grads(model, PackedCollator(0), packs[:2])
+    fixed = FixedShape(tokens=64, segments=7, max_length=30)
+    collator = PackedCollator(0, fixed)
+    batches, losses, grads = losses_and_grads(model, collator, packs[:2])
+    torch.testing.assert_close(losses, want_losses)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], msg=name)
+    batches.append(collator([packs[2]]))
+    for batch in batches:
+        assert batch["input_ids"].shape == batch["labels"].shape == batch["position_ids"].shape == (1, 64)
+        assert batch["cu_seq_lens_q"].shape == (8,) and batch["cu_seq_lens_q"][-1] == 64
+        assert batch["max_length_q"] == batch["max_length_k"] == 30
+    second = batches[1]
+    assert second["cu_seq_lens_q"].tolist() == [0, 30, 32, 43, 49, 64, 64, 64]  # 15 padding tokens: one row
+    assert (second["labels"][0, 49:] == IGNORE_INDEX).all() and second["position_ids"][0, 49:].tolist() == list(range(15))
+    assert collator.tokens == 0 and list(collator._built) == [22, 49, 0]  # real tokens only are counted
+
+
+def test_the_fixed_shape_holds_every_micro_batch_of_the_schedule_and_refuses_a_larger_one():
+    from finetune_flows.data.packing import FixedShape
+
+    rng = random.Random(3)
+    lengths = [rng.randrange(1, 90) for _ in range(200)] + [300]  # one row longer than the budget: a pack of its own
+    schedule = build_schedule(lengths, 256, 2, 1, seed=0, max_steps=-1, epochs=2)
+    fixed = FixedShape.for_schedule(schedule, lengths, 256)
+    assert fixed.tokens == 300 and fixed.max_length == 300
+    rows = [{"input_ids": [1] * n, "labels": [1] * n} for n in lengths]
+    collator = PackedCollator(0, fixed)
+    shapes = {tuple(collator([[rows[i] for i in mb]])["cu_seq_lens_q"].shape) for mb in schedule.micro_batches}
+    assert shapes == {(fixed.segments + 1,)}
+    with pytest.raises(ValueError, match="does not fit the fixed shape"):
+        collator([[rows[-1], rows[0]]])
+
+
+def traced_varlen(q, k, v, cu_seqlens, max_len, scale, kernel):
+    """Causal attention within each packed row from tensor ops alone, as the GPU's varlen kernels are traced (the
+    CPU's `rows` kernel reads the row bounds on the host, a graph break whose resume guards on their values)."""
+    t = torch.arange(q.shape[0])
+    row = torch.searchsorted(cu_seqlens[1:], t, right=True)
+    mask = (row[:, None] == row[None, :]) & (t[:, None] >= t[None, :])
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                           attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.train
+def test_cuda_graph_layers_compile_once_for_micro_batches_of_one_shape(monkeypatch):
+    """train.cuda_graphs: the layers compiled with static shapes in mode "reduce-overhead" (on the CPU Inductor
+    records no CUDA graph but compiles the same static graph): one compilation serves every layer and every
+    micro-batch of the fixed shape, and the loss is the eager one."""
+    from finetune_flows.data.packing import FixedShape
+    from finetune_flows.models import attention
+    from finetune_flows.training.compiling import compile_decoder_layers
+
+    monkeypatch.setattr(attention, "varlen_attention", traced_varlen)
+    packs = [random_rows([5, 17]), random_rows([30, 2, 11, 6], seed=1)]
+    collator = PackedCollator(0, FixedShape(tokens=64, segments=7, max_length=30))
+    eager = lora_tiny()
+    _, want, _ = losses_and_grads(eager, collator, packs)
+    model = lora_tiny()
+    torch._dynamo.reset()
+    try:
+        compile_decoder_layers(model, cuda_graphs=True)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            _, losses, grads = losses_and_grads(model, collator, packs)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(losses, want, rtol=1e-4, atol=1e-4)
+    assert grads and all(g.abs().sum() > 0 for g in grads.values())

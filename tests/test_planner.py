@@ -229,3 +229,20 @@ def test_under_every_budget_the_plan_fits_and_dequantizing_adds_no_checkpointing
         assert p.dequantize_base == p.compile_layers, budget
         planned += 1
     assert planned > 150
+
+
+def test_cuda_graphs_where_the_layers_are_compiled_and_nothing_is_recomputed():
+    """train.cuda_graphs: on where the plan compiles the layers of packed micro-batches without checkpointing (the
+    small model on a big GPU), off with the reason where it checkpoints (the 8B within 24 GiB), compiles nothing or
+    has no GPU."""
+    small = plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, compile_layers=True, cuda_graphs=True)
+    assert small.cuda_graphs and small.reasons[-1] == (f"CUDA graphs: each compiled layer's passes replayed, every "
+                                                       f"micro-batch padded to {small.micro_batch_tokens} tokens")
+    tight = plan("qwen3-8b", GPUS["H200-141GB"], dequantize=True, compile_layers=True, cuda_graphs=True, budget_gib=24)
+    assert tight.gradient_checkpointing and not tight.cuda_graphs
+    assert tight.reasons[-1] == "CUDA graphs off (train.cuda_graphs): activations are checkpointed"
+    eager = plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, cuda_graphs=True)
+    assert not eager.cuda_graphs and eager.reasons[-1].endswith("the decoder layers are not compiled")
+    cpu = plan("qwen3-0.6b", None, cuda_graphs=True)
+    assert not cpu.cuda_graphs and cpu.reasons[-1].endswith(": no GPU")
+    assert not plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, compile_layers=True).cuda_graphs

@@ -147,18 +147,63 @@ class TokenTally:
         model.register_forward_pre_hook(ran)
 
 
+@dataclass(frozen=True)
+class FixedShape:
+    """One shape for every micro-batch of a run (what CUDA graphs replay): `tokens` in each packed row, `segments`
+    rows in its cu_seq_lens (empty ones at the end), `max_length` as the attention's longest row."""
+
+    tokens: int
+    segments: int
+    max_length: int
+
+    @classmethod
+    def for_schedule(cls, schedule: PackSchedule, lengths: Sequence[int], tokens: int) -> FixedShape:
+        """Room for the largest micro-batch of `schedule`: its most rows, plus padding cut into pieces no longer
+        than the longest row."""
+        longest = max(lengths)
+        real = max(sum(lengths[i] for i in mb) for mb in schedule.micro_batches)
+        tokens = max(tokens, real)
+        rows = max(max(len(mb) for mb in schedule.micro_batches), 1)
+        return cls(tokens=tokens, segments=rows + math.ceil(tokens / longest), max_length=longest)
+
+
 class PackedCollator(TokenTally):
     """One micro-batch (a list of rows) -> one packed row with position ids and varlen attention kwargs: transformers'
-    DataCollatorWithFlattening, plus the token tally and a stand-in for an empty piece of a split pack."""
+    DataCollatorWithFlattening, plus the token tally and a stand-in for an empty piece of a split pack.
 
-    def __init__(self, pad_token_id: int):
+    With `fixed` (FixedShape) every micro-batch has the same shape: the packed row is filled up to `fixed.tokens`
+    with padding rows of their own (pad tokens, every label ignored, each at most `fixed.max_length` long, so no
+    kernel meets a row longer than the max length it is told), cu_seq_lens is extended with empty rows, and the max
+    lengths are `fixed.max_length`. No real token attends to padding, and padding adds nothing to the loss."""
+
+    def __init__(self, pad_token_id: int, fixed: FixedShape | None = None):
         super().__init__()
         self.pad = pad_token_id  # real tokens only are counted: an empty split piece is one ignored token
+        self.fixed = fixed
         self.flatten = DataCollatorWithFlattening(return_flash_attn_kwargs=True, separator_id=IGNORE_INDEX)
 
     def __call__(self, batch: list[list[dict[str, list[int]]]]) -> dict[str, Any]:
         (rows,) = batch  # the DataLoader's batch size is 1: the item is already a whole micro-batch
         self.built(sum(len(r["input_ids"]) for r in rows))
+        if self.fixed is not None:
+            return self._fixed(rows)
         if not rows:  # an empty piece of a split pack: one ignored token keeps every DDP rank in step
             rows = [{"input_ids": [self.pad], "labels": [IGNORE_INDEX]}]
         return self.flatten(rows, return_tensors="pt")
+
+    def _fixed(self, rows: list[dict[str, list[int]]]) -> dict[str, Any]:
+        import torch
+
+        shape = self.fixed
+        free = shape.tokens - sum(len(r["input_ids"]) for r in rows)
+        if free < 0 or len(rows) + math.ceil(free / shape.max_length) > shape.segments:
+            raise ValueError(f"a micro-batch of {len(rows)} rows and {shape.tokens - free} tokens does not fit the "
+                             f"fixed shape {shape}")
+        pieces = [min(shape.max_length, free - start) for start in range(0, free, shape.max_length)]
+        rows = rows + [{"input_ids": [self.pad] * n, "labels": [IGNORE_INDEX] * n} for n in pieces]
+        out = self.flatten(rows, return_tensors="pt")
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            cu = out[key]
+            out[key] = torch.cat([cu, cu[-1:].expand(shape.segments + 1 - len(cu))])
+        out["max_length_q"] = out["max_length_k"] = shape.max_length
+        return out

@@ -31,14 +31,23 @@ DEFAULT_COST_S = 90.0
 COSTS = "compile-costs"  # the store's kind of entry for measured compilations
 
 
-def compile_decoder_layers(model, **compile_options) -> None:
+def compile_decoder_layers(model, cuda_graphs: bool = False, **compile_options) -> None:
     """torch.compile each decoder layer of the PEFT model: one graph serves every layer and any packed length.
     The frozen embedding's output does not require grad while every later layer's input does, and Dynamo guards on
     that, so the first layer alone would be compiled again (a recompile on "hidden_states requires_grad mismatch",
-    which doubled the compilation); its input is made to require grad, at the cost of one input gradient more."""
+    which doubled the compilation); its input is made to require grad, at the cost of one input gradient more.
+
+    With `cuda_graphs` the layers' forward and backward passes are recorded once as CUDA graphs and replayed
+    (mode "reduce-overhead"), for micro-batches of one fixed shape (data/packing.py FixedShape): static shapes, and
+    each micro-batch marked as a new step, so the graphs' outputs of the last one may be overwritten."""
+    import torch
+
     model.enable_input_require_grads()
+    options = dict(dynamic=False, mode="reduce-overhead") if cuda_graphs else dict(dynamic=True)
     for layer in model.get_base_model().model.layers:
-        layer.compile(dynamic=True, **compile_options)
+        layer.compile(**options, **compile_options)
+    if cuda_graphs:
+        model.register_forward_pre_hook(lambda module, args: torch.compiler.cudagraph_mark_step_begin())
 
 
 def layer_key(model_config) -> str:

@@ -122,6 +122,7 @@ class TrainingPlan(BaseModel):
     dequantize_base: bool = False  # hold the NF4 weights dequantized (the same numbers, no per-call dequant)
     compile_layers: bool = False  # torch.compile each decoder layer (fused elementwise, fewer launches)
     compile_deferred: bool = False  # ... only once the first steps show the run repays it (training/compiling.py)
+    cuda_graphs: bool = False  # ... replayed as CUDA graphs, every micro-batch padded to micro_batch_tokens
 
 
 def _linear_bytes_per_param(four_bit: bool, dtype_bytes: int) -> float:
@@ -185,13 +186,32 @@ def planning_bytes(free_mib: int | None, budget_gib: float | None = None) -> tup
     return allocator_bytes(budget_gib), f"hardware.memory_budget_gib={budget_gib:g} less {outside}"
 
 
-def plan_training(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
-                  rows_per_step: int, packing: bool, micro_batch_tokens: int | None, checkpointing: bool | str,
-                  four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
-                  dtype_bytes: int = 2, upcast: bool = True, per_device_rows: int = 8,
-                  accumulation: int = 1, dequantize: bool = False,
-                  compile_layers: bool = False, compile_deferred: bool = False, shards: int = 1,
-                  budget_gib: float | None = None) -> TrainingPlan:
+def plan_training(shape: ModelShape, *, cuda_graphs: bool = False, **batches) -> TrainingPlan:
+    """The plan of plan_batches (its keywords: `batches`) with CUDA graphs where asked for (`cuda_graphs`) and
+    possible: the layers compiled, the rows packed, and no activation recomputed (a checkpoint reruns the layer
+    inside the backward pass, outside the recorded graphs)."""
+    plan = plan_batches(shape, **batches)
+    if not cuda_graphs:
+        return plan
+    why_not = ("no GPU" if batches.get("free_mib") is None else
+               "the decoder layers are not compiled" if not plan.compile_layers else
+               "the rows are not packed" if not plan.packing else
+               "activations are checkpointed" if plan.gradient_checkpointing else None)
+    if why_not:
+        plan.reasons.append(f"CUDA graphs off (train.cuda_graphs): {why_not}")
+        return plan
+    plan.reasons.append(f"CUDA graphs: each compiled layer's passes replayed, every micro-batch padded to "
+                        f"{plan.micro_batch_tokens} tokens")
+    return plan.model_copy(update={"cuda_graphs": True})
+
+
+def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
+                 rows_per_step: int, packing: bool, micro_batch_tokens: int | None, checkpointing: bool | str,
+                 four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
+                 dtype_bytes: int = 2, upcast: bool = True, per_device_rows: int = 8,
+                 accumulation: int = 1, dequantize: bool = False,
+                 compile_layers: bool = False, compile_deferred: bool = False, shards: int = 1,
+                 budget_gib: float | None = None) -> TrainingPlan:
     """Choose micro-batch size, accumulation, checkpointing and whether to hold the base dequantized (asked for by
     `dequantize`). `free_mib` is the least free memory of the selected GPUs (None on the CPU), `budget_gib`
     `hardware.memory_budget_gib` (planning_bytes: what the plan may use of them). Compiled layers need the

@@ -33,7 +33,7 @@ from finetune_flows.models.quantize import torch_dtype
 from finetune_flows.training import sharding
 from finetune_flows.models.dequantize import dequantize_model
 from finetune_flows.models.attention import packed_kernel_for, use_packed_attention
-from finetune_flows.data.packing import PackedCollator, PackedDataset, TokenTally, build_schedule
+from finetune_flows.data.packing import FixedShape, PackedCollator, PackedDataset, TokenTally, build_schedule
 from finetune_flows.runtime.gpus import cap_process_memory
 from finetune_flows.training.planner import TrainingPlan
 from finetune_flows.training.profiling import profiler_callback
@@ -219,7 +219,7 @@ def build_model(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, base_path:
     ))
     model.config.use_cache = False
     if tplan.compile_layers and not tplan.compile_deferred:
-        compile_decoder_layers(model)
+        compile_decoder_layers(model, cuda_graphs=tplan.cuda_graphs)
     return model
 
 
@@ -312,11 +312,14 @@ def _train(job: dict) -> dict | None:
         use_packed_attention(model, kernel)
         schedule = build_schedule([len(r["input_ids"]) for r in rows], tplan.micro_batch_tokens,
                                   tplan.gradient_accumulation_steps, world, t.seed, t.max_steps, t.epochs, split)
-        train_ds, collator = PackedDataset(rows, schedule), PackedCollator(pad_id)
+        fixed = (FixedShape.for_schedule(schedule, [len(r["input_ids"]) for r in rows],
+                                         tplan.micro_batch_tokens // split) if tplan.cuda_graphs else None)
+        train_ds, collator = PackedDataset(rows, schedule), PackedCollator(pad_id, fixed)
         batch_args = dict(per_device_train_batch_size=1, gradient_accumulation_steps=schedule.accumulation,
                           max_steps=schedule.steps, train_sampling_strategy="sequential")
         layout = (f"packed micro-batches of <= {tplan.micro_batch_tokens // split} tokens x {schedule.accumulation} "
-                  f"accumulation, {kernel} attention")
+                  f"accumulation, {kernel} attention"
+                  + (f", CUDA graphs (each padded to {fixed.tokens} tokens)" if fixed else ""))
     else:
         rows_per_micro = max(1, tplan.micro_batch_rows // split)
         train_ds, collator = rows, PadCollator(pad_id)
@@ -349,7 +352,7 @@ def _train(job: dict) -> dict | None:
 
         where = job.get("compile_record")  # the store and GPU model that record what compiling took
         record = cost_entry(Path(where["cache"]), where["gpus"], layer_key(model.config)) if where else None
-        deferred = compile_when_it_pays(model, clock, record, gather, say)
+        deferred = compile_when_it_pays(model, clock, record, gather, say, cuda_graphs=tplan.cuda_graphs)
         trainer.add_callback(deferred)
     shared, resume = prepare_ranks(trainer, out)  # who writes, where to resume from
     # read now: with save_total_limit, the checkpoint resumed from is rotated out during training
