@@ -141,3 +141,44 @@ def test_runs_recording_at_once_keep_each_others_measurements(tmp_path):
     assert all(Entry(tmp_path, compiling.COSTS, e.name).problem() is None for e in entries)
     assert compiling.recorded_cost(compiling.cost_entry(tmp_path, "cpu", "shared")) in {
         float(100 * run + i) for run in range(3) for i in range(20)}
+
+
+@pytest.mark.train
+def test_stable_gradients_accumulate_into_buffers_of_their_own_and_train_the_same(tmp_path):
+    """train.cuda_graphs: every step's micro-batches add their gradients into the same buffers, allocated once (the
+    graphs' own output memory is overwritten by the next replay), and the adapter trains exactly as without them."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    packs = [random_rows([5 + i % 7, 17, 9 + i % 3], seed=i) for i in range(6)]
+
+    def trained(stable: bool):
+        model = get_peft_model(tiny_qwen3(2).train(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                               target_modules="all-linear", task_type="CAUSAL_LM",
+                                                               init_lora_weights=False))
+        model.config.use_cache = False
+        use_packed_attention(model, "rows")
+        seen: list[set[int]] = []
+
+        class Grads(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                seen.append({id(p.grad) for p in model.parameters() if p.requires_grad})
+
+        args = TrainingArguments(output_dir=str(tmp_path / f"out-{stable}"), per_device_train_batch_size=1,
+                                 gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2, use_cpu=True,
+                                 report_to=[], save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
+                                 train_sampling_strategy="sequential")
+        trainer = Trainer(model=model, args=args, train_dataset=packs, data_collator=PackedCollator(0),
+                          callbacks=[Grads()])
+        callback = compiling.stable_gradients(model) if stable else None
+        if callback is not None:
+            trainer.add_callback(callback)
+        trainer.train()
+        weights = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+        return weights, seen, callback
+
+    plain, _, _ = trained(False)
+    stable, seen, callback = trained(True)
+    assert seen == [{id(b) for b in callback.gradients}] * 3  # each step's gradients, in the same buffers
+    for name, weight in stable.items():
+        torch.testing.assert_close(weight, plain[name], msg=name)

@@ -335,7 +335,8 @@ def test_fixed_shape_micro_batches_share_one_shape_and_train_as_the_packed_ones_
         assert batch["max_length_q"] == batch["max_length_k"] == 30
     second = batches[1]
     assert second["cu_seq_lens_q"].tolist() == [0, 30, 32, 43, 49, 64, 64, 64]  # 15 padding tokens: one row
-    assert (second["labels"][0, 49:] == IGNORE_INDEX).all() and second["position_ids"][0, 49:].tolist() == list(range(15))
+    assert (second["labels"][0, 49:] == IGNORE_INDEX).all()
+    assert second["position_ids"][0, 49:].tolist() == list(range(15))
     assert collator.tokens == 0 and list(collator._built) == [22, 49, 0]  # real tokens only are counted
 
 

@@ -243,6 +243,9 @@ def test_cuda_graphs_where_the_layers_are_compiled_and_nothing_is_recomputed():
     assert tight.reasons[-1] == "CUDA graphs off (train.cuda_graphs): activations are checkpointed"
     eager = plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, cuda_graphs=True)
     assert not eager.cuda_graphs and eager.reasons[-1].endswith("the decoder layers are not compiled")
+    shared = plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, compile_layers=True, cuda_graphs=True,
+                  budget_gib=12)
+    assert shared.gradient_accumulation_steps > 1 and shared.cuda_graphs  # gradients in buffers of their own
     cpu = plan("qwen3-0.6b", None, cuda_graphs=True)
     assert not cpu.cuda_graphs and cpu.reasons[-1].endswith(": no GPU")
     assert not plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, compile_layers=True).cuda_graphs

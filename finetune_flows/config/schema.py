@@ -165,7 +165,7 @@ class TrainConfig(Section):
         "(torch.compile mode=\"reduce-overhead\"), for steps bound by the host's kernel launches (small models): "
         "every packed micro-batch is padded to the planned size with ignored rows of its own, so all steps share one "
         "shape. Needs train.packing and compiled layers; the planner leaves it off, and says so, where it "
-        "checkpoints activations or the layers are not compiled (the CPU).")
+        "checkpoints activations or does not compile the layers (the CPU).")
     upcast_frozen: bool | Literal["auto"] = Field(
         "auto", description="Keep the frozen embeddings, norms and lm_head in fp32 as PEFT's "
         "prepare_model_for_kbit_training does (true), or in the compute dtype (false); `auto`: the measured "

@@ -50,6 +50,28 @@ def compile_decoder_layers(model, cuda_graphs: bool = False, **compile_options) 
         model.register_forward_pre_hook(lambda module, args: torch.compiler.cudagraph_mark_step_begin())
 
 
+def stable_gradients(model):
+    """A Trainer callback for CUDA graphs: each optimizer step starts with every trainable parameter's .grad a zeroed
+    buffer of its own, allocated once outside the graphs, so backward adds each micro-batch's gradients into it. Left
+    to itself, the first micro-batch's backward hands .grad the graphs' own output memory, which the next replay
+    overwrites (gradient accumulation, a split after running out of memory)."""
+    import torch
+    from transformers import TrainerCallback
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffers = [torch.zeros_like(p) for p in params]
+
+    class StableGradients(TrainerCallback):
+        gradients = buffers
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            torch._foreach_zero_(buffers)
+            for param, buffer in zip(params, buffers):
+                param.grad = buffer
+
+    return StableGradients()
+
+
 def layer_key(model_config) -> str:
     """What a recorded compile time is for: the layer's architecture and width, and the compiler's version."""
     import torch

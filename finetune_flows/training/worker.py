@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from finetune_flows.training.compiling import compile_decoder_layers, compile_when_it_pays, cost_entry, layer_key
+from finetune_flows.training.compiling import (
+    compile_decoder_layers, compile_when_it_pays, cost_entry, layer_key, stable_gradients,
+)
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import IGNORE_INDEX, load_split
 from finetune_flows.training.distributed import (
@@ -337,6 +339,8 @@ def _train(job: dict) -> dict | None:
     trainer = trainer_class(model=model, args=args, train_dataset=train_ds, data_collator=collator)
     trainer.remove_callback(PrinterCallback)  # progress goes out as events; its raw dicts would duplicate them
     trainer.add_callback(training_callback(job, trainer))  # stop on SIGTERM, progress, test faults
+    if tplan.cuda_graphs:
+        trainer.add_callback(stable_gradients(model))
     load_peak_reserved = None
     if on_gpu:
         load_peak_reserved = torch.cuda.max_memory_reserved() / 2**20  # loading, dequantizing, wrapping
