@@ -232,15 +232,16 @@ def test_under_every_budget_the_plan_fits_and_dequantizing_adds_no_checkpointing
 
 
 def test_cuda_graphs_where_the_layers_are_compiled_and_nothing_is_recomputed():
-    """train.cuda_graphs: on where the plan compiles the layers of packed micro-batches without checkpointing (the
-    small model on a big GPU), off with the reason where it checkpoints (the 8B within 24 GiB), compiles nothing or
-    has no GPU."""
+    """train.cuda_graphs: on where the plan compiles the layers of packed micro-batches (the small model on a big
+    GPU, the 8B within 24 GiB with its checkpointing inside the compiled layers, several micro-batches a step within
+    12 GiB), off with the reason where it compiles nothing, runs FSDP or has no GPU."""
     small = plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, compile_layers=True, cuda_graphs=True)
     assert small.cuda_graphs and small.reasons[-1] == (f"CUDA graphs: each compiled layer's passes replayed, every "
                                                        f"micro-batch padded to {small.micro_batch_tokens} tokens")
     tight = plan("qwen3-8b", GPUS["H200-141GB"], dequantize=True, compile_layers=True, cuda_graphs=True, budget_gib=24)
-    assert tight.gradient_checkpointing and not tight.cuda_graphs
-    assert tight.reasons[-1] == "CUDA graphs off (train.cuda_graphs): activations are checkpointed"
+    assert tight.gradient_checkpointing and tight.cuda_graphs
+    sharded = plan("qwen3-8b", GPUS["H200-141GB"], cuda_graphs=True, compile_layers=True, dequantize=True, shards=2)
+    assert not sharded.cuda_graphs and sharded.reasons[-1].endswith(": FSDP shards the layers")
     eager = plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, cuda_graphs=True)
     assert not eager.cuda_graphs and eager.reasons[-1].endswith("the decoder layers are not compiled")
     shared = plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, compile_layers=True, cuda_graphs=True,

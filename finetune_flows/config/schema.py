@@ -164,8 +164,8 @@ class TrainConfig(Section):
         False, description="Replay each compiled decoder layer's forward and backward pass as CUDA graphs "
         "(torch.compile mode=\"reduce-overhead\"), for steps bound by the host's kernel launches (small models): "
         "every packed micro-batch is padded to the planned size with ignored rows of its own, so all steps share one "
-        "shape. Needs train.packing and compiled layers; the planner leaves it off, and says so, where it "
-        "checkpoints activations or does not compile the layers (the CPU).")
+        "shape. Needs train.packing and compiled layers; the planner leaves it off, and says so, where it does not "
+        "compile the layers (the CPU) or shards them (FSDP).")
     upcast_frozen: bool | Literal["auto"] = Field(
         "auto", description="Keep the frozen embeddings, norms and lm_head in fp32 as PEFT's "
         "prepare_model_for_kbit_training does (true), or in the compute dtype (false); `auto`: the measured "
@@ -492,10 +492,9 @@ def consistency_problems(cfg: FinetuneConfig) -> list[str]:
                         "frozen weights stay in the compute dtype; set train.upcast_frozen to auto or false")
     if t.cuda_graphs:
         conflicts = [f"train.{key}=false" for key in ("packing", "compile") if getattr(t, key) is False]
-        conflicts += ["train.gradient_checkpointing=true"] if t.gradient_checkpointing is True else []
         if conflicts:
             problems.append(f"train.cuda_graphs=true with {' and '.join(conflicts)}: CUDA graphs replay compiled "
-                            "layers of packed micro-batches of one shape, without activation checkpointing")
+                            "layers of packed micro-batches of one shape")
     problems += launch_problems(cfg.hardware)
     if cfg.data.eval_source is None and cfg.data.max_samples is not None and cfg.data.max_samples < 10:
         problems.append("data.max_samples < 10 leaves too few rows to hold some out for evaluation")

@@ -31,23 +31,45 @@ DEFAULT_COST_S = 90.0
 COSTS = "compile-costs"  # the store's kind of entry for measured compilations
 
 
-def compile_decoder_layers(model, cuda_graphs: bool = False, **compile_options) -> None:
+def compile_decoder_layers(model, cuda_graphs: bool = False, checkpoint_in_graph: bool | None = None,
+                           **compile_options) -> None:
     """torch.compile each decoder layer of the PEFT model: one graph serves every layer and any packed length.
     The frozen embedding's output does not require grad while every later layer's input does, and Dynamo guards on
     that, so the first layer alone would be compiled again (a recompile on "hidden_states requires_grad mismatch",
     which doubled the compilation); its input is made to require grad, at the cost of one input gradient more.
 
+    A layer that checkpoints its activations (transformers' gradient checkpointing) runs its compiled forward a
+    second time in the backward pass, from the eager checkpoint around it. With `checkpoint_in_graph` the checkpoint
+    goes inside the compiled graph instead: the forward graph keeps the layer's input, and the backward graph
+    recomputes the forward itself.
+
     With `cuda_graphs` the layers' forward and backward passes are recorded once as CUDA graphs and replayed
     (mode "reduce-overhead"), for micro-batches of one fixed shape (data/packing.py FixedShape): static shapes, and
-    each micro-batch marked as a new step, so the graphs' outputs of the last one may be overwritten."""
+    each micro-batch marked as a new step, so the graphs' outputs of the last one may be overwritten. A checkpoint
+    then goes inside the graphs (`checkpoint_in_graph` defaults to `cuda_graphs`): around them, it would replay a
+    forward graph within the backward pass."""
     import torch
 
     model.enable_input_require_grads()
     options = dict(dynamic=False, mode="reduce-overhead") if cuda_graphs else dict(dynamic=True)
     for layer in model.get_base_model().model.layers:
+        if getattr(layer, "gradient_checkpointing", False) and (
+                cuda_graphs if checkpoint_in_graph is None else checkpoint_in_graph):
+            layer.gradient_checkpointing = False
+            layer.forward = _checkpointed(layer.forward)
         layer.compile(**options, **compile_options)
     if cuda_graphs:
         model.register_forward_pre_hook(lambda module, args: torch.compiler.cudagraph_mark_step_begin())
+
+
+def _checkpointed(forward):
+    """forward, its activations recomputed in the backward pass (non-reentrant: what Dynamo traces into a graph)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 def stable_gradients(model):

@@ -188,16 +188,15 @@ def planning_bytes(free_mib: int | None, budget_gib: float | None = None) -> tup
 
 def plan_training(shape: ModelShape, *, cuda_graphs: bool = False, **batches) -> TrainingPlan:
     """The plan of plan_batches (its keywords: `batches`) with CUDA graphs where asked for (`cuda_graphs`) and
-    possible: on a GPU, the layers compiled, the rows packed, and no activation recomputed (a checkpoint reruns the
-    layer inside the backward pass, outside the recorded graphs)."""
+    possible: on one GPU or several under DDP, the layers compiled (a checkpoint then recomputes inside each layer's
+    graph: training/compiling.py) and the rows packed."""
     plan = plan_batches(shape, **batches)
     if not cuda_graphs:
         return plan
     why_not = ("no GPU" if batches.get("free_mib") is None else
                "FSDP shards the layers" if batches.get("shards", 1) > 1 else
                "the decoder layers are not compiled" if not plan.compile_layers else
-               "the rows are not packed" if not plan.packing else
-               "activations are checkpointed" if plan.gradient_checkpointing else None)
+               "the rows are not packed" if not plan.packing else None)
     if why_not:
         plan.reasons.append(f"CUDA graphs off (train.cuda_graphs): {why_not}")
         return plan
