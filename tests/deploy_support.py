@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any, Iterator
 
 from finetune_flows.config.parameters import config_parameter
+from finetune_flows.runtime.lifecycle import preexec_die_with
 from finetune_flows.runtime.processes import alive, descendants
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,9 +112,11 @@ class PrefectStack:
         return path
 
     def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
+        """Start a process of the stack in a session of its own, ended (SIGTERM) when this process dies, a SIGKILLed
+        pytest too."""
         out = open(self.logs / f"{name}.log", "w")
         proc = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=preexec_die_with(os.getpid()))
         self.procs.append(proc)
         return proc
 

@@ -98,3 +98,33 @@ def test_the_tether_exits_with_its_commands_status(tmp_path):
             "'finetune_flows.runtime.tether', '--parent', str(os.getpid()), '--', sys.executable, '-c', "
             "'import sys; sys.exit(7)']))")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 7
+
+
+STACK_OWNER = """
+import sys, time
+from pathlib import Path
+from tests.deploy_support import PrefectStack
+stack = PrefectStack(home=Path(sys.argv[1]) / "home", logs=Path(sys.argv[1]) / "logs")
+stack.start_server()
+stack.start_worker()
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_deployment_tests_stack_ends_with_a_sigkilled_pytest(tmp_path):
+    """The deployment tests' own server and `make worker` (tests/deploy_support.py) die with the process that started
+    them, also when it is SIGKILLed (a pytest stopped that way left both running)."""
+    owner = subprocess.Popen([sys.executable, "-c", STACK_OWNER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert owner.stdout.readline().strip() == "up"
+        up(lambda: "started!" in (tmp_path / "logs" / "worker.log").read_text(), owner, tmp_path / "logs" / "worker.log")
+        below = tree(owner.pid)[1:]
+        assert len(below) >= 3  # the server, make, the tether and the worker
+        owner.kill()
+        owner.wait()
+        assert wait_gone(below, 45), f"still running: {[m.pid for m in below if m.is_running()]}"
+    finally:
+        for member in tree(owner.pid)[1:] if owner.poll() is None else []:
+            member.signal(signal.SIGKILL)
