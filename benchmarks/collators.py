@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, DataCollatorForSeq2Seq  # noqa: E402
 
 from finetune_flows.data.dataset import IGNORE_INDEX  # noqa: E402
 from finetune_flows.models.sources import build_generated_tokenizer  # noqa: E402
-from finetune_flows.training.worker import PadCollator  # noqa: E402
+from finetune_flows.data.packing import PadCollator  # noqa: E402
 
 SHAPES = ((8, 100, 600), (16, 200, 2000), (4, 1000, 4000))  # rows per batch, shortest and longest row
 

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from finetune_flows.data.dataset import load_split  # noqa: E402
-from finetune_flows.training.worker import PadCollator, StepClock, steady_state  # noqa: E402
+from finetune_flows.data.packing import PadCollator  # noqa: E402
+from finetune_flows.training.clock import StepClock, steady_state  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -248,7 +248,7 @@ def eval_loss(base: Path, adapter: Path, data: Path, ids: list[int], log: Path) 
     code = (
         "import json,sys,torch; sys.path.insert(0, %r)\n"
         "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n"
-        "from finetune_flows.data.dataset import load_split\nfrom finetune_flows.training.worker import PadCollator\n"
+        "from finetune_flows.data.dataset import load_split\nfrom finetune_flows.data.packing import PadCollator\n"
         "dev = 'cuda:0' if torch.cuda.is_available() else 'cpu'\n"
         "dt = torch.bfloat16 if dev != 'cpu' else torch.float32\n"
         "m = AutoModelForCausalLM.from_pretrained(%r, device_map={'': dev}, dtype=dt, attn_implementation='sdpa')\n"

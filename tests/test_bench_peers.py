@@ -127,7 +127,7 @@ def test_a_peers_trainer_is_clocked_like_ours_and_counts_the_tokens_its_model_ra
     on a real Trainer: one timed interval per optimizer step, each with the real tokens of the rows its model ran."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    from finetune_flows.training.worker import PadCollator
+    from finetune_flows.data.packing import PadCollator
 
     recipe = load_benchmark("peer_recipe")
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -17,7 +17,8 @@ from finetune_flows.training import compiling
 from finetune_flows.models.attention import use_packed_attention
 from finetune_flows.training.distributed import gather
 from finetune_flows.data.packing import PackedCollator
-from finetune_flows.training.worker import StepClock, _callbacks, steady_state
+from finetune_flows.training.clock import StepClock, steady_state
+from finetune_flows.training.worker import _callbacks
 from tests.test_packing import random_rows, tiny_qwen3
 
 

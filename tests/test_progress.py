@@ -208,7 +208,9 @@ def test_every_step_is_timed_with_its_own_tokens_the_last_one_included(tmp_path,
 
     from finetune_flows.runtime.lifecycle import EVENT_PREFIX
     from finetune_flows.data.packing import PackedCollator
-    from finetune_flows.training.worker import PadCollator, StepClock, _callbacks, steady_state, steady_text
+    from finetune_flows.data.packing import PadCollator
+    from finetune_flows.training.clock import StepClock, steady_state, steady_text
+    from finetune_flows.training.worker import _callbacks
     from tests.test_packing import random_rows, tiny_qwen3
 
     steps, accumulation = 4, 2
@@ -254,7 +256,8 @@ from finetune_flows.config.plan import Plan
 from finetune_flows.config.schema import load_config
 from finetune_flows.training.distributed import single_rank_defaults
 from finetune_flows.training.planner import TrainingPlan
-from finetune_flows.training.worker import PadCollator, train_with_frozen_heap, training_arguments
+from finetune_flows.data.packing import PadCollator
+from finetune_flows.training.worker import train_with_frozen_heap, training_arguments
 from tests.test_packing import random_rows, tiny_qwen3
 
 single_rank_defaults()  # a rank of one, as the worker runs without torchrun
@@ -315,7 +318,7 @@ def test_the_rank_trains_with_the_heap_frozen_and_thaws_it_after(rank_training):
     assert rank_training["after"] == 0
 
 def test_the_steady_state_leaves_out_the_warm_up_it_is_given_or_a_tenth_of_the_steps():
-    from finetune_flows.training.worker import steady_state
+    from finetune_flows.training.clock import steady_state
 
     steps = [(i, 2.0 if i == 3 else 1.0, 100, False) for i in range(1, 21)]  # step 3 slow, 100 tokens each
     assert steady_state(steps, 1.0)["min"] == round(500 / 6, 1)  # 20 steps: 2 left out, step 3 in a window

@@ -11,6 +11,8 @@ The schedule is fixed up front from the seed: rows are shuffled per epoch and fi
 so every rank gets packs of about the same number of tokens (no straggler waits on variable-length data). After an
 out-of-memory retry each pack is cut into `split` pieces and the accumulation multiplied by `split`: every optimizer
 step then sees exactly the same rows as before, so the results do not change, only the peak memory.
+
+Without packing (`train.packing: false`, and the evaluation's loss) rows are padded into batches (PadCollator).
 """
 
 from __future__ import annotations
@@ -207,3 +209,28 @@ class PackedCollator(TokenTally):
             out[key] = torch.cat([cu, cu[-1:].expand(shape.segments + 1 - len(cu))])
         out["max_length_q"] = out["max_length_k"] = shape.max_length
         return out
+
+
+class PadCollator(TokenTally):
+    """Right-pad a batch; padding never counts in the loss. Counts the real tokens the model has run on. Ours, not
+    DataCollatorForSeq2Seq: the same tensors from a pad id alone, not through a tokenizer and its padding_side,
+    and faster (benchmarks/results/collators-0xGPU-20261203-120725/NOTE.md)."""
+
+    def __init__(self, pad_token_id: int):
+        super().__init__()
+        self.pad = pad_token_id
+
+    def __call__(self, rows: list[dict[str, list[int]]]) -> dict[str, Any]:
+        import torch
+
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[i, :n] = torch.tensor(r["input_ids"])
+            labels[i, :n] = torch.tensor(r["labels"])
+            mask[i, :n] = 1
+        self.built(int(mask.sum()))
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}

@@ -29,7 +29,7 @@ from finetune_flows.runtime.gpus import cap_process_memory, free_bytes
 from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.evaluation.metrics import score_answer
 from finetune_flows.models.quantize import QuantizedModel, torch_dtype
-from finetune_flows.training.worker import PadCollator
+from finetune_flows.data.packing import PadCollator
 
 
 def padded_loss(model, dataset, batch_size: int, pad_id: int, device) -> float:

@@ -40,9 +40,9 @@ STEP_CODE: dict[str, tuple[str, ...]] = {
                       "training/distributed", "training/sharding", "training/compiling", "models/dequantize",
                       "config/plan"),
     "evaluate-adapter": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
-                         "evaluation/static_engine", "models/dequantize"),
+                         "evaluation/static_engine", "models/dequantize", "data/packing"),
     "evaluate-checkpoint": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
-                            "evaluation/static_engine", "models/dequantize"),
+                            "evaluation/static_engine", "models/dequantize", "data/packing"),
     "merge-adapter": ("export/merge", "models/dequantize"),
 }
 
