@@ -152,6 +152,17 @@ class PrefectStack:
                                  f"{result.stderr[-3000:]}")
         return result
 
+    def post(self, path: str, body: dict[str, Any]):
+        """POST to the server's API as Prefect's own client does it: a 503 (its SQLite database was busy) is retried."""
+        import httpx
+
+        for attempt in range(10):
+            reply = httpx.post(f"{self.api_url}{path}", timeout=30, json=body)
+            if reply.status_code != 503:
+                break
+            time.sleep(1 + attempt)
+        return reply
+
     def start_worker(self) -> None:
         self._spawn(["make", "-o", STAMP, "worker", f"FINETUNE_FLOWS_POLICY={self.policy}"], "worker")
 

@@ -240,8 +240,6 @@ def test_the_deployment_schema_holds_every_section_and_key_with_its_description(
 def test_a_bad_config_value_is_refused_by_the_server_before_any_run_exists(stack):
     """`prefect deployment run` sends the parameters as they are; the server checks them against the deployment's
     schema (enforce_parameter_schema) and creates no flow run, so no worker ever sees one."""
-    import httpx
-
     deployment_id, before = flow_runs_of(stack, "finetune/on-demand")
     wrong_type = demo_config([])
     wrong_type["train"]["learning_rate"] = "fast"
@@ -258,8 +256,7 @@ def test_a_bad_config_value_is_refused_by_the_server_before_any_run_exists(stack
                               capture_output=True, text=True, timeout=120)
         said = " ".join((done.stdout + done.stderr).split())
         assert done.returncode == 1 and message in said, said
-    reply = httpx.post(f"{stack.api_url}/deployments/{deployment_id}/create_flow_run", timeout=30,
-                       json={"parameters": {"config": {"lora": {"r": 0}}}})
+    reply = stack.post(f"/deployments/{deployment_id}/create_flow_run", {"parameters": {"config": {"lora": {"r": 0}}}})
     assert reply.status_code == 409 and "'config.lora.r'" in reply.json()["detail"], reply.text
     assert flow_runs_of(stack, "finetune/on-demand")[1] == before, "a refused run was created"
 
@@ -267,10 +264,8 @@ def test_a_bad_config_value_is_refused_by_the_server_before_any_run_exists(stack
 def test_a_run_that_skips_the_servers_check_fails_on_the_models_own_validation(stack):
     """A caller may create a run with `enforce_parameter_schema: false`; the flow process then validates the
     parameter with the same model before the flow starts, so the run fails naming the key."""
-    import httpx
-
     deployment_id, _ = flow_runs_of(stack, "finetune/on-demand")
-    reply = httpx.post(f"{stack.api_url}/deployments/{deployment_id}/create_flow_run", timeout=30, json={
+    reply = stack.post(f"/deployments/{deployment_id}/create_flow_run", {
         "parameters": {"config": {"train": {"learning_rate": "fast"}}}, "enforce_parameter_schema": False})
     assert reply.status_code == 201, reply.text
     flow_run_id = reply.json()["id"]
