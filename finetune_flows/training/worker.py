@@ -209,10 +209,11 @@ def _train(job: dict) -> dict | None:
     if tplan.packing:
         kernel = packed_kernel_for(plan.train_attn, on_gpu)
         use_packed_attention(model, kernel)
-        schedule = build_schedule([len(r["input_ids"]) for r in rows], tplan.micro_batch_tokens,
-                                  tplan.gradient_accumulation_steps, world, t.seed, t.max_steps, t.epochs, split)
-        fixed = (FixedShape.for_schedule(schedule, [len(r["input_ids"]) for r in rows],
-                                         tplan.micro_batch_tokens // split) if tplan.cuda_graphs else None)
+        lengths = [len(r["input_ids"]) for r in rows]
+        schedule = build_schedule(lengths, tplan.micro_batch_tokens, tplan.gradient_accumulation_steps, world, t.seed,
+                                  t.max_steps, t.epochs, split)
+        fixed = (FixedShape.for_schedule(schedule, lengths, tplan.micro_batch_tokens // split)
+                 if tplan.cuda_graphs else None)
         train_ds, collator = PackedDataset(rows, schedule), PackedCollator(pad_id, fixed)
         batch_args = dict(per_device_train_batch_size=1, gradient_accumulation_steps=schedule.accumulation,
                           max_steps=schedule.steps, train_sampling_strategy="sequential")
