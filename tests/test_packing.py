@@ -249,7 +249,7 @@ def test_split_pack_keeps_order_and_balance():
 
 
 @pytest.mark.train
-def test_compiled_layers_under_activation_checkpointing_train_as_the_eager_layers_do(monkeypatch):
+def test_compiled_layers_under_activation_checkpointing_train_as_the_eager_layers_do():
     """Within a memory budget the planner can hold the base dequantized with compiled layers *and* checkpoint them
     (Qwen3-8B within 24 GiB). Set up as build_model does it (checkpointing before the adapter, compiling after), with
     the checkpoint around each compiled layer or inside its graph (as with CUDA graphs; AOTAutograd's own backend,
@@ -258,10 +258,7 @@ def test_compiled_layers_under_activation_checkpointing_train_as_the_eager_layer
     the compiled layers' without it."""
     from peft import LoraConfig, get_peft_model
 
-    from finetune_flows.models import attention
     from finetune_flows.training.compiling import compile_decoder_layers
-
-    monkeypatch.setattr(attention, "varlen_attention", traced_varlen)  # one graph per layer, as on a GPU
 
     def model(checkpointed: bool):
         base = tiny_qwen3(2).train()
@@ -378,27 +375,13 @@ def test_the_fixed_shape_holds_every_micro_batch_of_the_schedule_and_refuses_a_l
         collator([[rows[-1], rows[0]]])
 
 
-def traced_varlen(q, k, v, cu_seqlens, max_len, scale, kernel):
-    """Causal attention within each packed row from tensor ops alone, as the GPU's varlen kernels are traced (the
-    CPU's `rows` kernel reads the row bounds on the host, a graph break whose resume guards on their values)."""
-    t = torch.arange(q.shape[0])
-    row = torch.searchsorted(cu_seqlens[1:], t, right=True)
-    mask = (row[:, None] == row[None, :]) & (t[:, None] >= t[None, :])
-    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                           attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
-
-
 @pytest.mark.train
-def test_cuda_graph_layers_compile_once_for_micro_batches_of_one_shape(monkeypatch):
+def test_cuda_graph_layers_compile_once_for_micro_batches_of_one_shape():
     """train.cuda_graphs: the layers compiled with static shapes in mode "reduce-overhead" (on the CPU Inductor
     records no CUDA graph but compiles the same static graph): one compilation serves every layer and every
     micro-batch of the fixed shape, and the loss is the eager one."""
     from finetune_flows.data.packing import FixedShape
-    from finetune_flows.models import attention
     from finetune_flows.training.compiling import compile_decoder_layers
-
-    monkeypatch.setattr(attention, "varlen_attention", traced_varlen)
     packs = [random_rows([5, 17]), random_rows([30, 2, 11, 6], seed=1)]
     collator = PackedCollator(0, FixedShape(tokens=64, segments=7, max_length=30))
     eager = lora_tiny()

@@ -8,7 +8,9 @@ only and never builds a dense mask over the packed row:
   lengths, which transformers' own FA4 path does not do);
 - `fa3` / `fa2`: flash-attn 3 (`flash_attn_interface`) / 2 (`flash_attn`) varlen functions;
 - `torch_varlen`: `torch.nn.attention.varlen.varlen_attn` (CUDA, torch >= 2.10);
-- `rows`: scaled_dot_product_attention row by row (the CPU, and anywhere else; exact, slower).
+- `rows`: scaled_dot_product_attention row by row (the CPU, and anywhere else; exact, slower); inside compiled
+  layers one attention over the whole micro-batch with a mask that keeps each row to itself (reading the row
+  bounds on the host would break the graph, and a static-shape graph would be compiled again for every micro-batch).
 
 Calls without `cu_seq_lens_q` (ordinary padded batches, evaluation) go to transformers' sdpa function unchanged.
 Registering is done once per process with `use_packed_attention(model, kernel)`.
@@ -101,6 +103,8 @@ def varlen_attention(q, k, v, cu_seqlens, max_len: int, scale: float, kernel: st
         else:  # torch >= 2.12 expresses causality as a window
             kw["window_size"] = (-1, 0)
         return fn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kw)
+    if torch.compiler.is_compiling():
+        return _masked_rows(q, k, v, cu_seqlens, scale)
     # rows: exact and device-agnostic
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
@@ -113,6 +117,20 @@ def varlen_attention(q, k, v, cu_seqlens, max_len: int, scale: float, kernel: st
                                                              enable_gqa=gqa)
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def _masked_rows(q, k, v, cu_seqlens, scale: float):
+    """The `rows` kernel from tensor ops alone, for compiled layers: one causal attention whose mask keeps each token
+    to its own row (the micro-batch's tokens squared, so for the CPU's small micro-batches)."""
+    import torch
+
+    t = torch.arange(q.shape[0], device=q.device)
+    row = torch.searchsorted(cu_seqlens[1:].to(q.device), t, right=True)
+    mask = (row[:, None] == row[None, :]) & (t[:, None] >= t[None, :])
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                           attn_mask=mask, scale=scale,
+                                                           enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)
 
 
 def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
