@@ -309,6 +309,10 @@ def _layout(run: dict) -> str:
     plan = run.get("training_plan") or {}
     extra = [text for key, text in (("dequantize_base", "NF4 base dequantized"),
                                     ("compile_layers", "decoder layers compiled")) if plan.get(key)]
+    stats = run.get("compile_stats") or {}
+    if stats.get("graph_breaks") or stats.get("cudagraph_skips"):  # a compiled row that may not be what it says
+        extra.append(f"{stats['frames_compiled']} frames compiled, {stats['graph_breaks']} graph breaks, "
+                     f"{stats['cudagraph_skips']} CUDA graph recordings skipped")
     return "; ".join([run.get("layout", "")] + extra)
 
 
@@ -519,6 +523,7 @@ class Bench:
             "training_plan": r.get("training_plan"), "profile": r.get("profile"),
             # ours: each step's seconds and the allocator's frees-and-retries at its cap (None on the CPU)
             "step_seconds": r.get("step_seconds"), "alloc_retries": r.get("alloc_retries"),
+            "compile_stats": r.get("compile_stats"),
             "flops_per_token": mshape.flops_per_token(stats["mean_length"]),
         }
         print(f"[{name}] {steady} tokens/s (min {row['tokens_per_second_min']}, max {row['tokens_per_second_max']}), "

@@ -183,3 +183,69 @@ def test_stable_gradients_accumulate_into_buffers_of_their_own_and_train_the_sam
     assert seen == [{id(b) for b in callback.gradients}] * 3  # each step's gradients, in the same buffers
     for name, weight in stable.items():
         torch.testing.assert_close(weight, plain[name], msg=name)
+
+
+@pytest.mark.train
+def test_the_training_worker_trains_the_same_adapter_with_cuda_graphs_on(shared_cache, tmp_path):
+    """train.cuda_graphs through the real training worker, with the plan the planner makes on a GPU (here it would turn
+    them off: no GPU), checkpointing inside the graphs as within 24 GiB, two micro-batches a step: every micro-batch
+    padded to one shape, one compilation for every layer and micro-batch, no graph break, and the same losses and
+    adapter as the compiled run without them (on the CPU Inductor compiles the same static graphs, minus the CUDA
+    graphs' recording)."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from safetensors.torch import load_file
+
+    from conftest import child_env
+    from eval_support import tiny_quantized
+    from finetune_flows.config.plan import Plan
+    from finetune_flows.config.schema import FinetuneConfig
+    from finetune_flows.data.dataset import PreparedDataset
+    from finetune_flows.training.planner import TrainingPlan
+    from finetune_flows.training.train import write_train_job
+
+    base = tiny_quantized(shared_cache / "cuda-graphs", "float32")
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, 120, (64,), generator=gen).tolist()
+    rows = [[3 + (first + i) % 40 for i in range(n)] for first, n in enumerate(lengths)]  # a pattern to learn
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    for split, part in (("train", rows[:48]), ("eval", rows[48:])):
+        pq.write_table(pa.table({"input_ids": part, "labels": part}), data_dir / f"{split}.parquet")
+    data = PreparedDataset(path=data_dir, fingerprint="cuda-graphs", format="text", train_rows=48, eval_rows=16,
+                           train_tokens=sum(map(len, rows[:48])), truncated=0, dropped=0)
+    cfg = FinetuneConfig.model_validate({"lora": {"dropout": 0.0}, "train": {
+        "max_steps": 4, "logging_steps": 1, "learning_rate": 1e-2, "warmup_steps": 0, "per_device_batch_size": 8,
+        "gradient_accumulation_steps": 1}})
+    plan = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa", eval_attn="sdpa")
+
+    def run(graphs: bool) -> tuple[dict, dict, str]:
+        tplan = TrainingPlan(packing=True, micro_batch_tokens=256, micro_batch_rows=0, gradient_accumulation_steps=2,
+                             gradient_checkpointing=True, tokens_per_step=500.0, predicted_peak_gib=0.0,
+                             budget_gib=None, reasons=[], dequantize_base=True, compile_layers=True,
+                             cuda_graphs=graphs)
+        out = tmp_path / f"graphs-{graphs}"
+        job = write_train_job(out, cfg, plan.with_training(tplan), base, data, [], f"graphs-{graphs}")
+        done = subprocess.run([sys.executable, "-m", "finetune_flows.training.worker", str(job)], env=child_env(),
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics = json.loads((out / "train_metrics.json").read_text())
+        return metrics, load_file(out / "adapter" / "adapter_model.safetensors"), done.stdout
+
+    plain, plain_adapter, _ = run(False)
+    graphed, graphed_adapter, printed = run(True)
+    assert graphed["layout"].startswith("packed micro-batches of <= 256 tokens x 2 accumulation")
+    assert graphed["layout"].endswith("CUDA graphs (each padded to 256 tokens)")
+    assert "checkpointing on" in printed and "decoder layers compiled" in printed
+    stats = graphed["compile_stats"]
+    assert (stats["frames_compiled"], stats["graphs"], stats["graph_breaks"]) == (1, 1, 0), stats
+    assert graphed["train_tokens"] == plain["train_tokens"]  # real tokens: the padding is not counted
+    for (step, loss), (_, want) in zip(graphed["loss_curve"], plain["loss_curve"], strict=True):
+        assert loss == pytest.approx(want, rel=1e-4), step
+    assert graphed["loss_curve"][-1][1] < graphed["loss_curve"][0][1] - 0.05  # it trained
+    assert graphed_adapter.keys() == plain_adapter.keys()
+    for name, weight in graphed_adapter.items():
+        torch.testing.assert_close(weight, plain_adapter[name], rtol=1e-3, atol=1e-5, msg=name)

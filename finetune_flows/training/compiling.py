@@ -94,6 +94,20 @@ def stable_gradients(model):
     return StableGradients()
 
 
+def compile_stats() -> dict:
+    """What torch.compile did in this process: frames compiled (a recompile adds one), graphs, graph breaks (the
+    first reasons' first lines) and CUDA graph recordings Inductor skipped (`TORCH_LOGS=cudagraphs` prints why).
+    A compiled run's metrics carry it: a recompile per micro-batch, or skipped CUDA graphs, would otherwise show
+    only as a slower row."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    return {"frames_compiled": counters["frames"]["ok"], "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(breaks.values()),
+            "graph_break_reasons": sorted({reason.strip().splitlines()[0] for reason in breaks})[:5],
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+
+
 def layer_key(model_config) -> str:
     """What a recorded compile time is for: the layer's architecture and width, and the compiler's version."""
     import torch

@@ -76,6 +76,7 @@ class TrainResult(BaseModel):
     last_attempt_tokens_per_second: float | None = None
     compiled_at_step: int | None = None  # decoder layers compiled before this step (0: from the start; None: eager)
     compile_seconds: float | None = None  # measured, where train.compile=auto compiled during the run
+    compile_stats: dict[str, Any] | None = None  # what torch.compile did on rank 0 (compiling.compile_stats)
     peak_process_memory_mb: float | None = None  # max over ranks: the process's GPU memory as NVML sees it
     attempts: list[dict[str, Any]] = []  # every attempt: outcome, split, resumed from, steps, tokens, seconds
     oom_adaptations: list[dict[str, Any]] = []  # each out-of-memory attempt and the split it led to

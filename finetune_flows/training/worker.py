@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from finetune_flows.training.compiling import (
-    compile_decoder_layers, compile_when_it_pays, cost_entry, layer_key, stable_gradients,
+    compile_decoder_layers, compile_stats, compile_when_it_pays, cost_entry, layer_key, stable_gradients,
 )
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import load_split
@@ -287,6 +287,12 @@ def _train(job: dict) -> dict | None:
     else:
         train_with_frozen_heap(trainer, resume)
     seconds = time.perf_counter() - started
+    compiled = compile_stats() if tplan.compile_layers else None
+    if compiled and trainer.is_world_process_zero() and (compiled["graph_breaks"] or compiled["cudagraph_skips"]):
+        print(f"torch.compile: {compiled['frames_compiled']} frames compiled into {compiled['graphs']} graphs, "
+              f"{compiled['graph_breaks']} graph breaks ({'; '.join(compiled['graph_break_reasons'])}), "
+              f"{compiled['cudagraph_skips']} CUDA graph recordings skipped"
+              + (" (TORCH_LOGS=cudagraphs prints why)" if compiled["cudagraph_skips"] else ""), flush=True)
 
     outside_allocator = None
     if on_gpu:
@@ -340,6 +346,7 @@ def _train(job: dict) -> dict | None:
         devices=[r["device_name"] for r in records], rank_tokens=[r["tokens"] for r in records],
         rank_param_mb=[round(r["param_mb"], 3) for r in records],
         training_plan=tplan.model_dump(), micro_batch_split=split, layout=layout, strategy=plan.strategy,
+        compile_stats=compiled,
         **(deferred.summary() if deferred is not None else
            {"compiled_at_step": 0 if tplan.compile_layers else None, "compile_seconds": None}),
     )
