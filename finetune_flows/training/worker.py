@@ -140,6 +140,10 @@ def training_arguments(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, out
         logging_steps=t.logging_steps, logging_first_step=True, save_strategy="steps", save_steps=save_steps,
         save_total_limit=t.save_total_limit, seed=t.seed, data_seed=t.seed, report_to=cfg.tracking.report_to,
         remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False,
+        # Each micro-batch's tensors go to the GPU from pinned memory without waiting: a blocking copy waits for the
+        # stream to drain (the previous backward pass), then the GPU idles while the host collates the next batch
+        # and launches the forward pass.
+        accelerator_config={"non_blocking": on_gpu},
         # The filter tests every micro-batch's loss for NaN on the host, a device sync each time; a NaN loss is
         # logged as it is instead of hidden behind the running average.
         logging_nan_inf_filter=False,
