@@ -16,6 +16,8 @@ training worker, finetune_flows/training/worker.py, with its defaults and memory
 variants with extra config overrides (`--variant label:key=value,key=value`; a key in capitals, e.g.
 `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`, is an environment variable of that run's training worker instead;
 a label starting with `2gpu-` runs on two GPUs and gets its own `ddp_2gpu_scaling:<label>` beside `ours-<label>`).
+A one-GPU variant gets its own ratios too, keyed `<shape>[-<budget>gib]:<label>`: over the seed, and in
+`speedup.vs_best_peer` over the fastest peer of its shape and budget.
 Memory budgets: `--budgets` (below); a variant can set `hardware.memory_budget_gib` too, but its row is not compared
 with the peers under that budget. Each run is a fresh process; the device is synchronised at every step boundary;
 steady state skips the warm-up steps and takes the median (and min/max) of tokens/s over windows of 5 steps; tokens
@@ -563,13 +565,22 @@ def build_report(state: Path, env, command: str) -> dict:
         if r["name"].startswith("ours-2gpu-"):  # ours-2gpu-<shape>, or a variant's ours-2gpu-<label>-<shape>
             rest = r["name"][len("ours-2gpu-"):]
             one = by.get("ours-" + rest)
-            shape = r["model"].split(":", 1)[1]
-            key = "ddp_2gpu_scaling" if rest == shape else f"ddp_2gpu_scaling:{rest[:-len(shape) - 1]}"
+            where = r["model"].split(":", 1)[1] + budget_suffix(r.get("memory_budget_gib"))
+            key = "ddp_2gpu_scaling" if rest == where else f"ddp_2gpu_scaling:{rest[:-len(where) - 1]}"
+            key += budget_suffix(r.get("memory_budget_gib"))
             if one and one["tokens_per_second"] and r["tokens_per_second"]:
                 speedup[key] = round(r["tokens_per_second"] / one["tokens_per_second"], 2)
     best_peer: dict[str, str] = {}
-    for ours in [r for r in runs if r.get("run") == "ours" and r.get("tokens_per_second")]:
-        key = ours["shape"] + budget_suffix(ours.get("memory_budget_gib"))
+    # ours and each one-GPU variant of it (ours-<label>: the key gains ":<label>") against the seed and the fastest
+    # peer of its shape and budget
+    for ours in [r for r in runs if str(r.get("run", "")).startswith("ours") and r.get("gpus", 1) <= 1
+                 and not str(r.get("run")).endswith("-profile") and r.get("tokens_per_second")]:
+        where = ours["shape"] + budget_suffix(ours.get("memory_budget_gib"))
+        key = where + ("" if ours["run"] == "ours" else ":" + ours["run"].removeprefix("ours-"))
+        seed = by.get(f"seed-{where}")
+        if ours["run"] != "ours" and seed and seed.get("tokens_per_second"):
+            speedup[key] = round(ours["tokens_per_second"] / seed["tokens_per_second"], 2)
+            quality[key] = round((ours["eval_loss"] - seed["eval_loss"]) / seed["eval_loss"], 4)
         peers = [r for r in runs if r.get("run") in PEERS and r.get("tokens_per_second") and
                  r["shape"] == ours["shape"] and r.get("memory_budget_gib") == ours.get("memory_budget_gib")]
         if peers:

@@ -33,6 +33,10 @@ def test_ours_over_the_fastest_peer_per_shape_and_budget_and_failed_rows_keep_th
                 error="RuntimeError: peer exited 1:\ntorch.OutOfMemoryError: CUDA out of memory"),
             # a budget's rows are compared only with each other: the unlimited trl row is faster but not counted
             row("ours-qwen3-8b-24gib", "ours", "qwen3-8b", 30.0, 24),
+            # a variant of ours gets its own ratios, against the same seed and peers; a two-GPU one none
+            row("ours-cg-qwen3-8b-24gib", "ours-cg", "qwen3-8b", 36.0, 24, eval_loss=2.2),
+            row("seed-qwen3-8b-24gib", "seed", "qwen3-8b", 3.0, 24),
+            row("ours-2gpu-cg-qwen3-8b-24gib", "ours-2gpu-cg", "qwen3-8b", 60.0, 24, gpus=2),
             row("unsloth-qwen3-8b-24gib", "unsloth", "qwen3-8b", 12.0, 24),
             row("trl-qwen3-8b", "trl", "qwen3-8b", 60.0),
             # a peer without an ours row of its shape and budget gives no ratio
@@ -42,13 +46,19 @@ def test_ours_over_the_fastest_peer_per_shape_and_budget_and_failed_rows_keep_th
         (tmp_path / "runs" / f"{r['name']}.json").write_text(json.dumps(r))
     env = SimpleNamespace(gpus=[], driver_version=None, cuda_version=None)
     report = bench.build_report(tmp_path, env, "cmd")
-    assert report["speedup"]["vs_best_peer"] == {"qwen3-0.6b": 2.0, "qwen3-8b-24gib": 2.5}
-    assert report["best_peer"] == {"qwen3-0.6b": "unsloth-qwen3-0.6b", "qwen3-8b-24gib": "unsloth-qwen3-8b-24gib"}
+    assert report["speedup"]["vs_best_peer"] == {"qwen3-0.6b": 2.0, "qwen3-8b-24gib": 2.5,
+                                                 "qwen3-8b-24gib:cg": 3.0}
+    assert report["best_peer"] == {"qwen3-0.6b": "unsloth-qwen3-0.6b", "qwen3-8b-24gib": "unsloth-qwen3-8b-24gib",
+                                   "qwen3-8b-24gib:cg": "unsloth-qwen3-8b-24gib"}
+    assert report["speedup"]["qwen3-8b-24gib"] == 10.0 and report["speedup"]["qwen3-8b-24gib:cg"] == 12.0
+    assert report["eval_loss_relative_to_seed"]["qwen3-8b-24gib:cg"] == 0.1
+    assert report["speedup"]["ddp_2gpu_scaling:cg-24gib"] == pytest.approx(1.67)
     md = bench.markdown(report)
     table = md.split("## Rows that did not run")[0]
     assert "| trl-bf16-qwen3-0.6b |" not in table and "| ours-qwen3-8b-24gib | 24 |" in table
     assert "**trl-bf16-qwen3-0.6b** (budget none)" in md and "torch.OutOfMemoryError: CUDA out of memory" in md
     assert "- qwen3-8b-24gib: 2.5 (against unsloth-qwen3-8b-24gib)" in md
+    assert "- qwen3-8b-24gib:cg: 3.0 (against unsloth-qwen3-8b-24gib)" in md
 
 
 def test_budgets_are_none_or_whole_gib_and_name_the_rows():
