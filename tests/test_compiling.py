@@ -185,13 +185,10 @@ def test_stable_gradients_accumulate_into_buffers_of_their_own_and_train_the_sam
         torch.testing.assert_close(weight, plain[name], msg=name)
 
 
-@pytest.mark.train
-def test_the_training_worker_trains_the_same_adapter_with_cuda_graphs_on(shared_cache, tmp_path):
-    """train.cuda_graphs through the real training worker, with the plan the planner makes on a GPU (here it would turn
-    them off: no GPU), checkpointing inside the graphs as within 24 GiB, two micro-batches a step: every micro-batch
-    padded to one shape, one compilation for every layer and micro-batch, no graph break, and the same losses and
-    adapter as the compiled run without them (on the CPU Inductor compiles the same static graphs, minus the CUDA
-    graphs' recording)."""
+def worker_run(cache: Path, tmp_path: Path, name: str, **training) -> tuple[dict, dict, str]:
+    """The real training worker (a child process, as torchrun starts a rank) on the tiny NF4 base and a pattern it
+    can learn, under a hand-made training plan (`training`: TrainingPlan fields; the planner turns compiling and CUDA
+    graphs off without a GPU): its metrics, adapter weights and printed lines."""
     import subprocess
     import sys
 
@@ -207,45 +204,70 @@ def test_the_training_worker_trains_the_same_adapter_with_cuda_graphs_on(shared_
     from finetune_flows.training.planner import TrainingPlan
     from finetune_flows.training.train import write_train_job
 
-    base = tiny_quantized(shared_cache / "cuda-graphs", "float32")
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(8, 120, (64,), generator=gen).tolist()
-    rows = [[3 + (first + i) % 40 for i in range(n)] for first, n in enumerate(lengths)]  # a pattern to learn
+    base = tiny_quantized(cache / "worker-runs", "float32")
     data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    for split, part in (("train", rows[:48]), ("eval", rows[48:])):
-        pq.write_table(pa.table({"input_ids": part, "labels": part}), data_dir / f"{split}.parquet")
-    data = PreparedDataset(path=data_dir, fingerprint="cuda-graphs", format="text", train_rows=48, eval_rows=16,
-                           train_tokens=sum(map(len, rows[:48])), truncated=0, dropped=0)
+    if not data_dir.is_dir():
+        gen = torch.Generator().manual_seed(0)
+        lengths = torch.randint(8, 120, (64,), generator=gen).tolist()
+        rows = [[3 + (first + i) % 40 for i in range(n)] for first, n in enumerate(lengths)]
+        data_dir.mkdir()
+        for split, part in (("train", rows[:48]), ("eval", rows[48:])):
+            pq.write_table(pa.table({"input_ids": part, "labels": part}), data_dir / f"{split}.parquet")
+    data = PreparedDataset(path=data_dir, fingerprint="worker-runs", format="text", train_rows=48, eval_rows=16,
+                           train_tokens=1, truncated=0, dropped=0)
     cfg = FinetuneConfig.model_validate({"lora": {"dropout": 0.0}, "train": {
         "max_steps": 4, "logging_steps": 1, "learning_rate": 1e-2, "warmup_steps": 0, "per_device_batch_size": 8,
         "gradient_accumulation_steps": 1}})
     plan = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa", eval_attn="sdpa")
+    tplan = TrainingPlan(**{**dict(packing=True, micro_batch_tokens=256, micro_batch_rows=0,
+                                   gradient_accumulation_steps=2, gradient_checkpointing=True, tokens_per_step=500.0,
+                                   predicted_peak_gib=0.0, budget_gib=None, reasons=[]), **training})
+    out = tmp_path / name
+    job = write_train_job(out, cfg, plan.with_training(tplan), base, data, [], name)
+    done = subprocess.run([sys.executable, "-m", "finetune_flows.training.worker", str(job)], env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((out / "train_metrics.json").read_text())
+    return metrics, load_file(out / "adapter" / "adapter_model.safetensors"), done.stdout
 
-    def run(graphs: bool) -> tuple[dict, dict, str]:
-        tplan = TrainingPlan(packing=True, micro_batch_tokens=256, micro_batch_rows=0, gradient_accumulation_steps=2,
-                             gradient_checkpointing=True, tokens_per_step=500.0, predicted_peak_gib=0.0,
-                             budget_gib=None, reasons=[], dequantize_base=True, compile_layers=True,
-                             cuda_graphs=graphs)
-        out = tmp_path / f"graphs-{graphs}"
-        job = write_train_job(out, cfg, plan.with_training(tplan), base, data, [], f"graphs-{graphs}")
-        done = subprocess.run([sys.executable, "-m", "finetune_flows.training.worker", str(job)], env=child_env(),
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        metrics = json.loads((out / "train_metrics.json").read_text())
-        return metrics, load_file(out / "adapter" / "adapter_model.safetensors"), done.stdout
 
-    plain, plain_adapter, _ = run(False)
-    graphed, graphed_adapter, printed = run(True)
+def assert_trained_alike(run: dict, adapter: dict, reference: dict, reference_adapter: dict) -> None:
+    assert run["train_tokens"] == reference["train_tokens"]  # real tokens: padding is not counted
+    for (step, loss), (_, want) in zip(run["loss_curve"], reference["loss_curve"], strict=True):
+        assert loss == pytest.approx(want, rel=1e-4), step
+    assert run["loss_curve"][-1][1] < run["loss_curve"][0][1] - 0.05  # it trained
+    assert adapter.keys() == reference_adapter.keys()
+    for name, weight in adapter.items():
+        torch.testing.assert_close(weight, reference_adapter[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.train
+def test_the_training_worker_trains_the_same_adapter_with_cuda_graphs_on(shared_cache, tmp_path):
+    """train.cuda_graphs through the real training worker, with the plan the planner makes on a GPU (here it would turn
+    them off: no GPU), checkpointing inside the graphs as within 24 GiB, two micro-batches a step: every micro-batch
+    padded to one shape, one compilation for every layer and micro-batch, no graph break, and the same losses and
+    adapter as the compiled run without them (on the CPU Inductor compiles the same static graphs, minus the CUDA
+    graphs' recording)."""
+    dequantized = dict(dequantize_base=True, compile_layers=True)
+    plain, plain_adapter, _ = worker_run(shared_cache, tmp_path, "plain", **dequantized)
+    graphed, graphed_adapter, printed = worker_run(shared_cache, tmp_path, "graphs", cuda_graphs=True, **dequantized)
     assert graphed["layout"].startswith("packed micro-batches of <= 256 tokens x 2 accumulation")
     assert graphed["layout"].endswith("CUDA graphs (each padded to 256 tokens)")
     assert "checkpointing on" in printed and "decoder layers compiled" in printed
     stats = graphed["compile_stats"]
     assert (stats["frames_compiled"], stats["graphs"], stats["graph_breaks"]) == (1, 1, 0), stats
-    assert graphed["train_tokens"] == plain["train_tokens"]  # real tokens: the padding is not counted
-    for (step, loss), (_, want) in zip(graphed["loss_curve"], plain["loss_curve"], strict=True):
-        assert loss == pytest.approx(want, rel=1e-4), step
-    assert graphed["loss_curve"][-1][1] < graphed["loss_curve"][0][1] - 0.05  # it trained
-    assert graphed_adapter.keys() == plain_adapter.keys()
-    for name, weight in graphed_adapter.items():
-        torch.testing.assert_close(weight, plain_adapter[name], rtol=1e-3, atol=1e-5, msg=name)
+    assert_trained_alike(graphed, graphed_adapter, plain, plain_adapter)
+
+
+@pytest.mark.train
+def test_the_training_worker_compiles_through_the_4bit_layers(shared_cache, tmp_path):
+    """train.compile=true over a base kept 4-bit (too large to hold dequantized): bitsandbytes' dequantize and matmul
+    trace into each layer's graph, one graph for every layer with no break, and the adapter trains as on the eager
+    4-bit layers."""
+    eager, eager_adapter, _ = worker_run(shared_cache, tmp_path, "eager-4bit")
+    compiled, compiled_adapter, printed = worker_run(shared_cache, tmp_path, "compiled-4bit", compile_layers=True)
+    assert "decoder layers compiled" in printed and "dequantized" not in printed
+    stats = compiled["compile_stats"]
+    assert (stats["frames_compiled"], stats["graphs"], stats["graph_breaks"]) == (1, 1, 0), stats
+    assert eager["compile_stats"] is None
+    assert_trained_alike(compiled, compiled_adapter, eager, eager_adapter)

@@ -68,9 +68,9 @@ def dequantize_setting(cfg: FinetuneConfig, device: str, strategy: str) -> bool:
 
 
 def compile_setting(cfg: FinetuneConfig, device: str, strategy: str) -> CompileMode:
-    """`auto`: wherever the base is held dequantized on an NVIDIA GPU (compiling needs it:
-    finetune_flows/training/planner.py), deferred until the first steps show the run repays the compilation
-    (finetune_flows/training/compiling.py); `true`: before the first step."""
+    """`auto`: wherever the base is held dequantized on an NVIDIA GPU (the memory planner leaves layers over a base
+    kept 4-bit eager under `auto`: finetune_flows/training/planner.py), deferred until the first steps show the run
+    repays the compilation (finetune_flows/training/compiling.py); `true`: before the first step."""
     want = cfg.train.compile
     if want is True:
         return "start"

@@ -157,9 +157,10 @@ class TrainConfig(Section):
         "and on the CPU.")
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each decoder layer (dynamic shapes) to fuse the elementwise work and "
-        "cut kernel launches; needs the dequantized base. `true`: before the first step. `auto`: where the base is "
-        "held dequantized on an NVIDIA GPU, once the first steps' measured time shows that the rest of the run "
-        "repays the compilation (finetune_flows/training/compiling.py; the speed-ups: benchmarks/README.md).")
+        "cut kernel launches. `true`: before the first step, over the dequantized base or, where it stays 4-bit, "
+        "through bitsandbytes' 4-bit matmuls (not under FSDP). `auto`: where the base is held dequantized on an "
+        "NVIDIA GPU, once the first steps' measured time shows that the rest of the run repays the compilation "
+        "(finetune_flows/training/compiling.py; the speed-ups: benchmarks/README.md).")
     cuda_graphs: bool = Field(
         False, description="Replay each compiled decoder layer's forward and backward pass as CUDA graphs "
         "(torch.compile mode=\"reduce-overhead\"), for steps bound by the host's kernel launches (small models): "

@@ -214,8 +214,8 @@ def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_
                  budget_gib: float | None = None) -> TrainingPlan:
     """Choose micro-batch size, accumulation, checkpointing and whether to hold the base dequantized (asked for by
     `dequantize`). `free_mib` is the least free memory of the selected GPUs (None on the CPU), `budget_gib`
-    `hardware.memory_budget_gib` (planning_bytes: what the plan may use of them). Compiled layers need the
-    dequantized base; `compile_deferred` compiles them only once the first steps show the run repays it.
+    `hardware.memory_budget_gib` (planning_bytes: what the plan may use of them). `compile_deferred` compiles the
+    layers only once the first steps show the run repays it; over a base kept 4-bit, see _compiled_over_4bit.
 
     The dequantized base gets its own micro-batches (its bf16 weights leave less room for them), with the
     checkpointing the 4-bit base needs (`auto`), and is held wherever they fit: at equal checkpointing, dropping the
@@ -226,12 +226,11 @@ def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_
                    fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, per_device_rows=per_device_rows,
                    accumulation=accumulation, shards=shards, budget_gib=budget_gib)
     plan = _plan_batches(shape, free_mib=free_mib, four_bit=four_bit, checkpointing=checkpointing, **batches)
-    if not four_bit or not dequantize:
-        if compile_layers and four_bit:
-            plan.reasons.append("decoder layers not compiled: the 4-bit matmuls cannot be (train.dequantize_base "
-                                "makes them plain ones)")
-        return plan.model_copy(update={"compile_layers": compile_layers and not four_bit,
-                                       "compile_deferred": compile_layers and not four_bit and compile_deferred})
+    if not four_bit:
+        return plan.model_copy(update={"compile_layers": compile_layers,
+                                       "compile_deferred": compile_layers and compile_deferred})
+    if not dequantize:
+        return _compiled_over_4bit(plan, compile_layers, compile_deferred, shards)
     ckpt = plan.gradient_checkpointing
     auto = checkpointing == "auto"
     try:
@@ -248,9 +247,8 @@ def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_
         plan.reasons.append(f"NF4 base kept 4-bit: dequantized it would need {peak / GIB:.1f} GiB at this micro-batch, "
                             f"and no micro-batch {'with' if ckpt else 'without'} activation checkpointing that holds "
                             f"the longest row fits beside the dequantized weights"
-                            + (f" in {plan.budget_gib:.1f} GiB" if plan.budget_gib is not None else "")
-                            + ("; so decoder layers not compiled (4-bit matmuls cannot be)" if compile_layers else ""))
-        return plan
+                            + (f" in {plan.budget_gib:.1f} GiB" if plan.budget_gib is not None else ""))
+        return _compiled_over_4bit(plan, compile_layers, compile_deferred, shards)
     held.reasons.append("NF4 base held dequantized in the compute dtype: the same weights every 4-bit matmul "
                         "multiplies by, without dequantizing them again on every call"
                         + (f" ({held.predicted_peak_gib:.1f} GiB predicted)" if held.budget_gib is not None else ""))
@@ -260,6 +258,24 @@ def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_
             "(train.compile=auto; true compiles before the first step)" if compile_deferred else ""))
     return held.model_copy(update={"dequantize_base": True, "compile_layers": compile_layers,
                                    "compile_deferred": compile_layers and compile_deferred})
+
+
+def _compiled_over_4bit(plan: TrainingPlan, compile_layers: bool, compile_deferred: bool,
+                        shards: int) -> TrainingPlan:
+    """Compiled layers over a base that stays 4-bit: only with train.compile=true (not `auto`, whose decision counts
+    on the speed-up measured over the dequantized base) and not under FSDP. Each 4-bit layer's dequantize and matmul
+    (bitsandbytes' own ops) trace into the layer's graph, whose backward pass dequantizes again rather than keeping
+    the dequantized weights, as the eager layer does."""
+    if not compile_layers:
+        return plan
+    why_not = ("FSDP shards the 4-bit base" if shards > 1 else
+               "train.compile=auto leaves the 4-bit layers eager (true compiles them)" if compile_deferred else None)
+    if why_not:
+        plan.reasons.append(f"decoder layers not compiled: {why_not}")
+        return plan.model_copy(update={"compile_layers": False, "compile_deferred": False})
+    plan.reasons.append("decoder layers compiled through the 4-bit matmuls (train.compile=true; the backward pass "
+                        "dequantizes each weight again)")
+    return plan.model_copy(update={"compile_layers": True, "compile_deferred": False})
 
 
 def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
