@@ -98,6 +98,31 @@ def test_varlen_rows_kernel_matches_dense_causal_attention_per_row():
         torch.testing.assert_close(out[a:b], ref)
 
 
+@pytest.mark.parametrize("tokens_limit", [64, 8])
+def test_compiled_rows_kernel_masks_small_micro_batches_and_loops_over_larger_ones(monkeypatch, tokens_limit):
+    """Inside torch.compile the `rows` kernel is one masked attention (no graph break) up to MASKED_ROWS_TOKENS, and
+    the row loop above it (a graph break, but no tokens-squared mask); both give the eager kernel's output, empty
+    padding rows at the end included."""
+    from finetune_flows.models import attention
+    from finetune_flows.training.compiling import compile_stats
+
+    monkeypatch.setattr(attention, "MASKED_ROWS_TOKENS", tokens_limit)
+    torch.manual_seed(1)
+    q, k, v = torch.randn(20, 4, 8), torch.randn(20, 2, 8), torch.randn(20, 2, 8)
+    cu = torch.tensor([0, 3, 10, 20, 20], dtype=torch.int32)
+    want = varlen_attention(q, k, v, cu, 10, 8 ** -0.5, "rows")
+    torch._dynamo.reset()
+    try:
+        before = compile_stats()["graph_breaks"]
+        compiled = torch.compile(varlen_attention, backend="aot_eager", dynamic=False)
+        got = compiled(q, k, v, cu, 10, 8 ** -0.5, "rows")
+        breaks = compile_stats()["graph_breaks"] - before
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want)
+    assert (breaks == 0) == (tokens_limit >= 20)
+
+
 @pytest.mark.train
 def test_compiled_layers_call_the_flash_kernel_untraced(monkeypatch):
     """Decoder layers under torch.compile call the flash varlen function as itself, never traced by Dynamo (FA4's

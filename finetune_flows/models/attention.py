@@ -9,8 +9,9 @@ only and never builds a dense mask over the packed row:
 - `fa3` / `fa2`: flash-attn 3 (`flash_attn_interface`) / 2 (`flash_attn`) varlen functions;
 - `torch_varlen`: `torch.nn.attention.varlen.varlen_attn` (CUDA, torch >= 2.10);
 - `rows`: scaled_dot_product_attention row by row (the CPU, and anywhere else; exact, slower); inside compiled
-  layers one attention over the whole micro-batch with a mask that keeps each row to itself (reading the row
-  bounds on the host would break the graph, and a static-shape graph would be compiled again for every micro-batch).
+  layers, for micro-batches of up to MASKED_ROWS_TOKENS, one attention over the whole micro-batch with a mask that
+  keeps each row to itself (reading the row bounds on the host would break the graph, and a static-shape graph would
+  be compiled again for every micro-batch); the mask and the scores grow with the tokens squared.
 
 Calls without `cu_seq_lens_q` (ordinary padded batches, evaluation) go to transformers' sdpa function unchanged.
 Registering is done once per process with `use_packed_attention(model, kernel)`.
@@ -29,6 +30,7 @@ GPU_KERNEL_FOR = {"flash_attention_4": "fa4", "flash_attention_3": "fa3", "flash
                   "sdpa": "torch_varlen", "eager": "rows"}
 
 _kernel = "rows"
+MASKED_ROWS_TOKENS = 4096  # the largest micro-batch the compiled `rows` kernel masks (16 heads' scores: 1 GiB)
 _torch_varlen_resolved = None  # (varlen_attn, the keywords it takes) once `torch_varlen` is chosen
 
 
@@ -103,7 +105,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_len: int, scale: float, kernel: st
         else:  # torch >= 2.12 expresses causality as a window
             kw["window_size"] = (-1, 0)
         return fn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kw)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and q.shape[0] <= MASKED_ROWS_TOKENS:
         return _masked_rows(q, k, v, cu_seqlens, scale)
     # rows: exact and device-agnostic
     out = torch.empty_like(q)
