@@ -262,12 +262,14 @@ def test_the_training_worker_trains_the_same_adapter_with_cuda_graphs_on(shared_
 @pytest.mark.train
 def test_the_training_worker_compiles_through_the_4bit_layers(shared_cache, tmp_path):
     """train.compile=true over a base kept 4-bit (too large to hold dequantized): bitsandbytes' dequantize and matmul
-    trace into each layer's graph, one graph for every layer with no break, and the adapter trains as on the eager
-    4-bit layers."""
+    trace into each layer's graph, one graph for every layer with no break, with dynamic shapes and with the static
+    ones of CUDA graphs, and the adapter trains as on the eager 4-bit layers."""
     eager, eager_adapter, _ = worker_run(shared_cache, tmp_path, "eager-4bit")
-    compiled, compiled_adapter, printed = worker_run(shared_cache, tmp_path, "compiled-4bit", compile_layers=True)
-    assert "decoder layers compiled" in printed and "dequantized" not in printed
-    stats = compiled["compile_stats"]
-    assert (stats["frames_compiled"], stats["graphs"], stats["graph_breaks"]) == (1, 1, 0), stats
     assert eager["compile_stats"] is None
-    assert_trained_alike(compiled, compiled_adapter, eager, eager_adapter)
+    for name, graphs in (("compiled-4bit", False), ("graphs-4bit", True)):
+        compiled, compiled_adapter, printed = worker_run(shared_cache, tmp_path, name, compile_layers=True,
+                                                         cuda_graphs=graphs)
+        assert "decoder layers compiled" in printed and "dequantized" not in printed
+        stats = compiled["compile_stats"]
+        assert (stats["frames_compiled"], stats["graphs"], stats["graph_breaks"]) == (1, 1, 0), (name, stats)
+        assert_trained_alike(compiled, compiled_adapter, eager, eager_adapter)
