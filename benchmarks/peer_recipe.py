@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from finetune_flows.data.dataset import load_split  # noqa: E402
 from finetune_flows.data.packing import TokenTally  # noqa: E402
-from finetune_flows.training.clock import StepClock, steady_state  # noqa: E402
+from finetune_flows.training.clock import StepClock, device_events, steady_state  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PEERS = ("unsloth", "trl", "trl-bf16")
@@ -49,11 +49,11 @@ class TokenCounter(TokenTally):
         return self.inner(rows)
 
 
-def clocked(trainer, sync) -> tuple[TokenCounter, StepClock]:
-    """The bench's step clock and token count on a peer's trainer (`sync`: the device's synchronize)."""
+def clocked(trainer, events=None) -> tuple[TokenCounter, StepClock]:
+    """The bench's step clock and token count on a peer's trainer (`events`: clock.device_events() on a GPU)."""
     counter = TokenCounter(trainer.data_collator)
     trainer.data_collator = counter
-    clock = StepClock(counter, sync, trainer.model)
+    clock = StepClock(counter, trainer.model, events)
     trainer.add_callback(clock.callback())
     return counter, clock
 
@@ -151,11 +151,12 @@ def main(job_path: str) -> None:
         trainer, layout = build_unsloth(job, rows)
     else:
         trainer, layout = build_trl(job, rows, peer == "trl-bf16", on_gpu)
-    counter, clock = clocked(trainer, torch.cuda.synchronize if on_gpu else (lambda: None))
+    counter, clock = clocked(trainer, device_events() if on_gpu else None)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     trainer.train()
+    clock.settle()
     seconds = time.perf_counter() - started
     if counter.tokens == 0:
         raise RuntimeError(f"{peer}: no batch was counted (the clock's hook on the model never ran): no figure")

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from finetune_flows.data.dataset import load_split  # noqa: E402
 from finetune_flows.data.packing import PadCollator  # noqa: E402
-from finetune_flows.training.clock import StepClock, steady_state  # noqa: E402
+from finetune_flows.training.clock import StepClock, device_events, steady_state  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -51,12 +51,13 @@ def main(job_path: str) -> None:
         bf16=on_gpu, use_cpu=not on_gpu, gradient_checkpointing=True, logging_steps=5, save_strategy="no",
         report_to=[], remove_unused_columns=False, disable_tqdm=True, seed=job["seed"], optim="adamw_torch",
     )
-    clock = StepClock(collator, torch.cuda.synchronize if on_gpu else (lambda: None), model)
+    clock = StepClock(collator, model, device_events() if on_gpu else None)
     trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator, callbacks=[clock.callback()])
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     trainer.train()
+    clock.settle()
     seconds = time.perf_counter() - started
     model.save_pretrained(out / "adapter")
     curve = [(int(e["step"]), float(e["loss"])) for e in trainer.state.log_history if "loss" in e]

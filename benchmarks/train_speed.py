@@ -19,7 +19,8 @@ a label starting with `2gpu-` runs on two GPUs and gets its own `ddp_2gpu_scalin
 A one-GPU variant gets its own ratios too, keyed `<shape>[-<budget>gib]:<label>`: over the seed, and in
 `speedup.vs_best_peer` over the fastest peer of its shape and budget.
 Memory budgets: `--budgets` (below); a variant can set `hardware.memory_budget_gib` too, but its row is not compared
-with the peers under that budget. Each run is a fresh process; the device is synchronised at every step boundary;
+with the peers under that budget. Each run is a fresh process; each step boundary is a CUDA event on the device's
+timeline (finetune_flows/training/clock.py; on the CPU the host's clock);
 steady state skips the warm-up steps and takes the median (and min/max) of tokens/s over windows of 5 steps; tokens
 are real (non-pad) tokens; memory is the peak the allocator reserved and the peak nvidia-smi showed for the run's own
 processes (the whole GPU's figure beside it); MFU counts 4 x (linear + lm_head parameters) FLOPs per token (a frozen

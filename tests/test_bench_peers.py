@@ -148,7 +148,7 @@ def test_a_peers_trainer_is_clocked_like_ours_and_counts_the_tokens_its_model_ra
                              max_steps=2, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
                              remove_unused_columns=False, train_sampling_strategy="sequential")
     trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=PadCollator(0))
-    counter, clock = recipe.clocked(trainer, lambda: None)
+    counter, clock = recipe.clocked(trainer)
     trainer.train()
     assert [(step, tokens) for step, _, tokens, _ in clock.steps] == [(1, sum(lengths[:4])), (2, sum(lengths[4:]))]
     assert counter.tokens == sum(lengths) and all(seconds > 0 for _, seconds, _, _ in clock.steps)

@@ -73,7 +73,7 @@ def train_tiny(tmp_path, steps: int, recorded: float | None):
                              learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no", logging_steps=5,
                              disable_tqdm=True, remove_unused_columns=False, train_sampling_strategy="sequential")
     trainer = Trainer(model=model, args=args, train_dataset=packs, data_collator=collator)
-    clock = StepClock(collator, lambda: None, model)
+    clock = StepClock(collator, model)
     trainer.add_callback(_callbacks(steps, collator, clock, tmp_path, time.perf_counter()))
     lines: list[str] = []
     callback = compiling.compile_when_it_pays(model, clock, record, gather, lines.append, backend="eager")

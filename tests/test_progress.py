@@ -228,7 +228,7 @@ def test_every_step_is_timed_with_its_own_tokens_the_last_one_included(tmp_path,
                              save_strategy="no", logging_steps=1, disable_tqdm=True, remove_unused_columns=False,
                              train_sampling_strategy="sequential")
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
-    clock = StepClock(collator, lambda: None, model)
+    clock = StepClock(collator, model)
     trainer.add_callback(_callbacks(steps, collator, clock, tmp_path, time.perf_counter()))
     torch.manual_seed(0)
     trainer.train()
@@ -324,3 +324,53 @@ def test_the_steady_state_leaves_out_the_warm_up_it_is_given_or_a_tenth_of_the_s
     assert steady_state(steps, 1.0)["min"] == round(500 / 6, 1)  # 20 steps: 2 left out, step 3 in a window
     assert steady_state(steps, 1.0, 4) == {"tokens_per_second": 100.0, "min": 100.0, "max": 100.0, "windows": 3,
                                            "steps": 16}
+
+
+def test_on_a_gpu_the_step_clock_reads_the_devices_timeline_without_making_the_host_wait():
+    """StepClock with device events: each step boundary is an event the device reaches after the step's work; a
+    step's time is the device's time between two boundaries, read once the device has passed the second (the host
+    never waits at a step end), and settle() waits for the rest. A save or compilation marked after a step lands in
+    the next one. CUDA events cannot exist on this host: the device here is a timeline the test moves forward."""
+    from finetune_flows.data.packing import TokenTally
+    from finetune_flows.training.clock import StepClock
+
+    class Device:
+        queued = 0.0  # seconds of work handed to the device so far
+        done = 0.0  # seconds of it the device has run
+        waits = 0  # times the host waited for it
+
+    class Event:  # torch.cuda.Event's surface that the clock uses
+        def __init__(self):
+            self.at = Device.queued
+
+        def query(self):
+            return self.at <= Device.done
+
+        def synchronize(self):
+            if self.at > Device.done:
+                Device.waits += 1
+                Device.done = self.at
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1000.0
+
+    class Model:  # the tally counts a batch's tokens when the model runs it
+        def register_forward_pre_hook(self, hook):
+            self.run = lambda: hook(self, ())
+
+    tally, model = TokenTally(), Model()
+    clock = StepClock(tally, model, Event)
+    clock.start()
+    for step, (seconds, tokens) in enumerate([(0.5, 100), (0.25, 80), (0.125, 60), (0.5, 40)], start=1):
+        tally.built(tokens)
+        model.run()
+        Device.queued += seconds
+        clock.step_end(step)
+        if step == 2:
+            clock.exclude()  # e.g. a checkpoint saved after step 2: its time falls in step 3
+        Device.done = max(0.0, Device.queued - 0.3)  # the host runs ahead of the device
+    assert Device.waits == 0
+    ran = [(1, 0.5, 100, False), (2, 0.25, 80, False), (3, 0.125, 60, True)]
+    assert clock.steps == ran  # step 4 ends at 1.375 s of the device's work; it has run 1.075
+    assert clock.settle() == [*ran, (4, 0.5, 40, False)]
+    assert Device.waits == 1  # once, for the last step

@@ -1,8 +1,9 @@
-"""The step clock: each optimizer step's wall time and real tokens, and the steady state drawn from them.
+"""The step clock: each optimizer step's time and real tokens, and the steady state drawn from them.
 
 The training worker, the seed recipe and the peers' recipes (benchmarks/) all time their steps with it, so their
-tokens/s are measured alike: the device synchronised at each step boundary, the tokens counted when the model runs
-them (data/packing.py TokenTally), warm-up and excluded steps (saves, compilation) left out.
+tokens/s are measured alike: on a GPU each step boundary is a CUDA event on the device's own timeline (on the CPU,
+the host's clock), the tokens counted when the model runs them (data/packing.py TokenTally), warm-up and excluded
+steps (saves, compilation) left out.
 """
 
 from __future__ import annotations
@@ -13,33 +14,81 @@ import time
 from finetune_flows.data.packing import TokenTally
 
 
+def device_events():
+    """StepClock's marks on a GPU: a CUDA timing event recorded on the current stream; None where there is no GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+
+    def recorded():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    return recorded
+
+
 class StepClock:
-    """Per-step wall time and real tokens, with the device synchronised at each step boundary.
+    """Per-step time and real tokens.
+
+    With `events` (device_events()) each step boundary is an event the GPU reaches after the step's last kernel, and a
+    step's time is the GPU's time between two of them: the host is never made to wait for the device at a step
+    boundary, which would leave the GPU idle while the host collates the next batch and launches its forward pass.
+    A step's time is read once its event has passed (`steps`: those read so far, without waiting; `settle()` waits
+    for the rest). Without `events` the host's clock times each step.
 
     A step during which a checkpoint was saved or the decoder layers compiled is marked, so the steady-state figure
     can leave it out. The collator's tally counts the tokens when `model` runs them.
     """
 
-    def __init__(self, collator: TokenTally, sync, model):
+    def __init__(self, collator: TokenTally, model, events=None):
         self.collator = collator
         collator.count_on(model)
-        self.sync = sync
-        self.steps: list[tuple[int, float, int, bool]] = []  # (step, seconds, tokens, excluded)
-        self._t = None
+        self.events = events
+        self._steps: list[tuple[int, float, int, bool]] = []  # (step, seconds, tokens, excluded)
+        self._pending: list[tuple] = []  # (step, start mark, end mark, tokens, excluded) whose end has not passed
+        self._mark = None
         self._tokens = 0
         self._excluded = False
 
+    def _now(self):
+        return self.events() if self.events is not None else time.perf_counter()
+
     def start(self) -> None:
-        self.sync()
-        self._t = time.perf_counter()
+        self._mark = self._now()
         self._tokens = self.collator.tokens
 
     def step_end(self, step: int) -> None:
-        self.sync()
-        now = time.perf_counter()
-        if self._t is not None:
-            self.steps.append((step, now - self._t, self.collator.tokens - self._tokens, self._excluded))
-        self._t, self._tokens, self._excluded = now, self.collator.tokens, False
+        mark = self._now()
+        if self._mark is not None:
+            self._pending.append((step, self._mark, mark, self.collator.tokens - self._tokens, self._excluded))
+        self._mark, self._tokens, self._excluded = mark, self.collator.tokens, False
+        self._read(wait=False)
+
+    def _read(self, wait: bool) -> None:
+        while self._pending:
+            step, start, end, tokens, excluded = self._pending[0]
+            if self.events is None:
+                seconds = end - start
+            elif wait or end.query():
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1000
+            else:
+                return
+            self._steps.append((step, seconds, tokens, excluded))
+            self._pending.pop(0)
+
+    @property
+    def steps(self) -> list[tuple[int, float, int, bool]]:
+        """The steps read so far (on a GPU the last one or two may still be running)."""
+        self._read(wait=False)
+        return self._steps
+
+    def settle(self) -> list[tuple[int, float, int, bool]]:
+        """Every step ended so far, waiting for the device where a step is still running."""
+        self._read(wait=True)
+        return self._steps
 
     def exclude(self) -> None:
         """Called after a step's end for work done before the next one (a save, a compilation): it lands in the

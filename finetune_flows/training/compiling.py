@@ -165,7 +165,7 @@ def compile_when_it_pays(model, clock, record: Entry | None, gather, say, **comp
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.compiled_at is not None and self.cost is None and state.global_step == self.compiled_at + 1:
-                self.cost = max(0.0, clock.steps[-1][1] - self.eager)
+                self.cost = max(0.0, clock.settle()[-1][1] - self.eager)
                 say(f"decoder layers compiled in {self.cost:.1f} s (the first compiled step less an eager one)")
                 if record is not None and state.is_world_process_zero:
                     record_cost(record, self.cost)

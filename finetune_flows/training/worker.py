@@ -34,7 +34,7 @@ from finetune_flows.training import sharding
 from finetune_flows.models.dequantize import dequantize_model
 from finetune_flows.models.attention import packed_kernel_for, use_packed_attention
 from finetune_flows.data.packing import FixedShape, PackedCollator, PackedDataset, PadCollator, build_schedule
-from finetune_flows.training.clock import StepClock, steady_state, steady_text
+from finetune_flows.training.clock import StepClock, device_events, steady_state, steady_text
 from finetune_flows.runtime.gpus import cap_process_memory
 from finetune_flows.training.planner import TrainingPlan
 from finetune_flows.training.profiling import profiler_callback
@@ -248,7 +248,7 @@ def _train(job: dict) -> dict | None:
         load_peak_reserved = torch.cuda.max_memory_reserved() / 2**20  # loading, dequantizing, wrapping
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    clock = StepClock(collator, torch.cuda.synchronize if on_gpu else (lambda: None), model)
+    clock = StepClock(collator, model, device_events() if on_gpu else None)
     trainer.add_callback(_callbacks(batch_args["max_steps"], collator, clock, out, started))
     deferred = None
     if tplan.compile_layers and tplan.compile_deferred:  # after the callback that feeds the clock
@@ -290,6 +290,7 @@ def _train(job: dict) -> dict | None:
         trainer.state = TrainerState.load_from_json(str(resume / "trainer_state.json"))
     else:
         train_with_frozen_heap(trainer, resume)
+    clock.settle()  # every step's time, once the device has run it
     seconds = time.perf_counter() - started
     compiled = compile_stats() if tplan.compile_layers else None
     if compiled and trainer.is_world_process_zero() and (compiled["graph_breaks"] or compiled["cudagraph_skips"]):
