@@ -55,10 +55,11 @@ def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: f
             rate = sum(t for _, _, t, _ in recent) * args.world_size / seconds if seconds else None
             elapsed = time.perf_counter() - started
             total = state.max_steps or max_steps
-            eta = (total - state.global_step) * seconds / max(len(recent), 1)
+            # none before a step has been timed (on a GPU a step's time is read once the device has run it)
+            eta = (total - state.global_step) * seconds / len(recent) if recent else None
             return dict(step=state.global_step, max_steps=total,
                         tokens_per_second=None if rate is None else round(rate, 1),
-                        elapsed=round(elapsed, 1), eta_seconds=round(eta, 1))
+                        elapsed=round(elapsed, 1), eta_seconds=None if eta is None else round(eta, 1))
 
         def on_step_end(self, args, state, control, **kwargs):
             clock.step_end(state.global_step)
