@@ -48,9 +48,11 @@ def test_whole_flow_produces_an_evaluated_adapter(first_run):
     assert summary["cached_steps"] == []
     steps = summary["step_seconds"]  # each step's wall time: the summary, the CLI's table, the step-cache artifact
     assert list(steps) == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter"]
-    assert all(s > 0 for s in steps.values()) and steps["train-adapter"] > steps["prepare-dataset"]
     assert "- step seconds: prepare-dataset " in render_summary(result)
     train = result.train
+    # each a step's own time: the training step's holds its worker's training (a worker forked from the fork server
+    # can train these 6 steps faster than the dataset step ran on a loaded host, so the steps are not compared)
+    assert all(s > 0 for s in steps.values()) and steps["train-adapter"] >= train.train_seconds
     assert train.steps == 6 and train.world_size == 1 and train.device == "cpu"
     assert len(train.loss_curve) == 6 and train.tokens_per_second > 0 and train.peak_memory_mb > 0
     assert train.final_loss < train.first_loss  # lr 1e-3 on a fixed task: the loss must fall
