@@ -7,6 +7,7 @@ with their stderr on a pty (`pty.openpty`) or on a pipe, and the tests read exac
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import re
@@ -326,51 +327,118 @@ def test_the_steady_state_leaves_out_the_warm_up_it_is_given_or_a_tenth_of_the_s
                                            "steps": 16}
 
 
+class Device:
+    """A GPU's timeline for StepClock's events (CUDA events cannot exist on this host): work the host has handed it
+    and work it has run, both moved forward by the test."""
+
+    def __init__(self):
+        self.queued = 0.0  # seconds of work handed to the device so far
+        self.done = 0.0  # seconds of it the device has run
+        self.waits = 0  # times the host waited for it
+
+    def events(self):
+        device = self
+
+        class Event:  # torch.cuda.Event's surface that the clock uses, recorded where the queued work ends
+            def __init__(self):
+                self.at = device.queued
+
+            def query(self):
+                return self.at <= device.done
+
+            def synchronize(self):
+                if self.at > device.done:
+                    device.waits += 1
+                    device.done = self.at
+
+            def elapsed_time(self, end):
+                return (end.at - self.at) * 1000.0
+
+        return Event
+
+
+class Model:  # the tally counts a batch's tokens when the model runs it
+    def register_forward_pre_hook(self, hook):
+        self.run = lambda: hook(self, ())
+
+
 def test_on_a_gpu_the_step_clock_reads_the_devices_timeline_without_making_the_host_wait():
     """StepClock with device events: each step boundary is an event the device reaches after the step's work; a
     step's time is the device's time between two boundaries, read once the device has passed the second (the host
     never waits at a step end), and settle() waits for the rest. A save or compilation marked after a step lands in
-    the next one. CUDA events cannot exist on this host: the device here is a timeline the test moves forward."""
+    the next one."""
     from finetune_flows.data.packing import TokenTally
     from finetune_flows.training.clock import StepClock
 
-    class Device:
-        queued = 0.0  # seconds of work handed to the device so far
-        done = 0.0  # seconds of it the device has run
-        waits = 0  # times the host waited for it
-
-    class Event:  # torch.cuda.Event's surface that the clock uses
-        def __init__(self):
-            self.at = Device.queued
-
-        def query(self):
-            return self.at <= Device.done
-
-        def synchronize(self):
-            if self.at > Device.done:
-                Device.waits += 1
-                Device.done = self.at
-
-        def elapsed_time(self, end):
-            return (end.at - self.at) * 1000.0
-
-    class Model:  # the tally counts a batch's tokens when the model runs it
-        def register_forward_pre_hook(self, hook):
-            self.run = lambda: hook(self, ())
-
-    tally, model = TokenTally(), Model()
-    clock = StepClock(tally, model, Event)
+    device, tally, model = Device(), TokenTally(), Model()
+    clock = StepClock(tally, model, device.events())
     clock.start()
     for step, (seconds, tokens) in enumerate([(0.5, 100), (0.25, 80), (0.125, 60), (0.5, 40)], start=1):
         tally.built(tokens)
         model.run()
-        Device.queued += seconds
+        device.queued += seconds
         clock.step_end(step)
         if step == 2:
             clock.exclude()  # e.g. a checkpoint saved after step 2: its time falls in step 3
-        Device.done = max(0.0, Device.queued - 0.3)  # the host runs ahead of the device
-    assert Device.waits == 0
+        device.done = max(0.0, device.queued - 0.3)  # the host runs ahead of the device
+    assert device.waits == 0
     ran = [(1, 0.5, 100, False), (2, 0.25, 80, False), (3, 0.125, 60, True)]
     assert clock.steps == ran  # step 4 ends at 1.375 s of the device's work; it has run 1.075
     assert clock.settle() == [*ran, (4, 0.5, 40, False)]
-    assert Device.waits == 1  # once, for the last step
+    assert device.waits == 1  # once, for the last step
+
+
+def test_progress_before_the_device_has_run_a_step_has_no_rate_and_leaves_the_eta_to_the_reporter(capsys, tmp_path):
+    """The rank's progress events, while the device has not yet finished any step: no tokens/s and no ETA (the
+    reporter estimates one from the elapsed time), not an ETA of 0 s; then both, once a step has been timed."""
+    from types import SimpleNamespace
+
+    from finetune_flows.data.packing import TokenTally
+    from finetune_flows.runtime.lifecycle import EVENT_PREFIX
+    from finetune_flows.training.clock import StepClock
+    from finetune_flows.training.worker import _callbacks
+
+    device, tally, model = Device(), TokenTally(), Model()
+    clock = StepClock(tally, model, device.events())
+    events = _callbacks(4, tally, clock, tmp_path, time.perf_counter())
+    args, control = SimpleNamespace(logging_steps=5, world_size=1), None
+    state = SimpleNamespace(global_step=0, max_steps=4, is_world_process_zero=True)
+    events.on_train_begin(args, state, control)
+    for step in (1, 2):
+        tally.built(100)
+        model.run()
+        device.queued += 0.5
+        state.global_step = step
+        events.on_step_end(args, state, control)
+        device.done = device.queued  # the device finishes step 1 only after its progress event
+    printed = [json.loads(line[len(EVENT_PREFIX):]) for line in capsys.readouterr().out.splitlines()
+               if line.startswith(EVENT_PREFIX)]
+    first, second = [e for e in printed if e["kind"] == "train_step"]
+    assert first["tokens_per_second"] is None and first["eta_seconds"] is None
+    assert second["tokens_per_second"] == 200.0 and second["eta_seconds"] == 1.0  # 2 steps left x 0.5 s
+
+
+def test_a_gpu_ranks_dataloader_copies_batches_without_waiting_for_the_device(tmp_path, monkeypatch):
+    """training_arguments for a GPU rank asks accelerate's prepared dataloader for non-blocking copies (from the
+    Trainer's pinned batches) instead of copies that wait for the device's queue to drain; a CPU rank's are as
+    before. The arguments are captured, not built: a GPU rank's process group needs NCCL, not in this CPU build."""
+    import transformers
+
+    from finetune_flows.config.plan import Plan
+    from finetune_flows.config.schema import load_config
+    from finetune_flows.training.planner import TrainingPlan
+    from finetune_flows.training.worker import training_arguments
+
+    captured = []
+    monkeypatch.setattr(transformers, "TrainingArguments", lambda **kwargs: captured.append(kwargs))
+    cfg = load_config(None, [])
+    plan = Plan(device="cuda", nproc=1, precision="bf16", compute_dtype="bfloat16", train_attn="sdpa",
+                eval_attn="sdpa")
+    tplan = TrainingPlan(packing=True, micro_batch_tokens=1024, micro_batch_rows=0, gradient_accumulation_steps=1,
+                         gradient_checkpointing=False, tokens_per_step=1024.0, predicted_peak_gib=1.0, budget_gib=2.0,
+                         reasons=[])
+    for on_gpu in (True, False):
+        training_arguments(cfg, plan, tplan, tmp_path, dict(max_steps=1), on_gpu=on_gpu, use_liger=False)
+    gpu, cpu = captured
+    assert gpu["accelerator_config"] == {"non_blocking": True} and gpu.get("dataloader_pin_memory", True)
+    assert cpu["accelerator_config"] == {"non_blocking": False}
