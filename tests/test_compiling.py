@@ -185,10 +185,11 @@ def test_stable_gradients_accumulate_into_buffers_of_their_own_and_train_the_sam
         torch.testing.assert_close(weight, plain[name], msg=name)
 
 
-def worker_run(cache: Path, tmp_path: Path, name: str, **training) -> tuple[dict, dict, str]:
+def worker_run(cache: Path, tmp_path: Path, name: str, env: dict[str, str] | None = None,
+               **training) -> tuple[dict, dict, str]:
     """The real training worker (a child process, as torchrun starts a rank) on the tiny NF4 base and a pattern it
     can learn, under a hand-made training plan (`training`: TrainingPlan fields; the planner turns compiling and CUDA
-    graphs off without a GPU): its metrics, adapter weights and printed lines."""
+    graphs off without a GPU), with `env` added to its environment: its metrics, adapter weights and printed lines."""
     import subprocess
     import sys
 
@@ -224,7 +225,7 @@ def worker_run(cache: Path, tmp_path: Path, name: str, **training) -> tuple[dict
                                    predicted_peak_gib=0.0, budget_gib=None, reasons=[]), **training})
     out = tmp_path / name
     job = write_train_job(out, cfg, plan.with_training(tplan), base, data, [], name)
-    done = subprocess.run([sys.executable, "-m", "finetune_flows.training.worker", str(job)], env=child_env(),
+    done = subprocess.run([sys.executable, "-m", "finetune_flows.training.worker", str(job)], env=child_env(**(env or {})),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((out / "train_metrics.json").read_text())
@@ -273,3 +274,20 @@ def test_the_training_worker_compiles_through_the_4bit_layers(shared_cache, tmp_
         stats = compiled["compile_stats"]
         assert (stats["frames_compiled"], stats["graphs"], stats["graph_breaks"]) == (1, 1, 0), (name, stats)
         assert_trained_alike(compiled, compiled_adapter, eager, eager_adapter)
+
+
+@pytest.mark.train
+def test_a_second_run_on_the_same_compile_cache_compiles_nothing(shared_cache, tmp_path):
+    """Compiled layers' kernels persist in the compile cache (launcher.compile_caches puts it in the project's cache,
+    per GPU model): a second run of the same layers loads both of Inductor's graphs (forward and backward) from it
+    instead of compiling them, trains the same adapter, and its metrics and log say so."""
+    caches = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "compile" / "inductor"),
+              "TRITON_CACHE_DIR": str(tmp_path / "compile" / "triton")}
+    plan = dict(dequantize_base=True, compile_layers=True)
+    first, first_adapter, first_log = worker_run(shared_cache, tmp_path, "first", env=caches, **plan)
+    second, second_adapter, second_log = worker_run(shared_cache, tmp_path, "second", env=caches, **plan)
+    assert (first["compile_stats"]["cache_hits"], first["compile_stats"]["cache_misses"]) == (0, 2)
+    assert (second["compile_stats"]["cache_hits"], second["compile_stats"]["cache_misses"]) == (2, 0)
+    assert "Inductor graphs 0 from the compile cache, 2 compiled" in first_log
+    assert "Inductor graphs 2 from the compile cache, 0 compiled" in second_log
+    assert_trained_alike(second, second_adapter, first, first_adapter)

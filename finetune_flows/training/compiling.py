@@ -96,16 +96,31 @@ def stable_gradients(model):
 
 def compile_stats() -> dict:
     """What torch.compile did in this process: frames compiled (a recompile adds one), graphs, graph breaks (the
-    first reasons' first lines) and CUDA graph recordings Inductor skipped (`TORCH_LOGS=cudagraphs` prints why).
+    first reasons' first lines), CUDA graph recordings Inductor skipped (`TORCH_LOGS=cudagraphs` prints why), and
+    how many of Inductor's compiled graphs (a layer's forward and backward are two) came from its on-disk cache
+    (launcher.compile_caches: the project's cache, per GPU model) rather than being compiled again.
     A compiled run's metrics carry it: a recompile per micro-batch, or skipped CUDA graphs, would otherwise show
-    only as a slower row."""
+    only as a slower row, and a run's warm-up time depends on whether its kernels were in the cache."""
     from torch._dynamo.utils import counters
 
     breaks = counters["graph_break"]
     return {"frames_compiled": counters["frames"]["ok"], "graphs": counters["stats"]["unique_graphs"],
             "graph_breaks": sum(breaks.values()),
             "graph_break_reasons": sorted({reason.strip().splitlines()[0] for reason in breaks})[:5],
-            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+            "cache_hits": counters["inductor"]["fxgraph_cache_hit"],
+            "cache_misses": counters["inductor"]["fxgraph_cache_miss"]}
+
+
+def describe_compile(stats: dict) -> str:
+    """One line for the log: what was compiled, from the cache or not, and anything that makes the row slower."""
+    line = (f"torch.compile: {stats['frames_compiled']} frame(s) into {stats['graphs']} graph(s); Inductor graphs "
+            f"{stats['cache_hits']} from the compile cache, {stats['cache_misses']} compiled")
+    if stats["graph_breaks"]:
+        line += f"; {stats['graph_breaks']} graph breaks ({'; '.join(stats['graph_break_reasons'])})"
+    if stats["cudagraph_skips"]:
+        line += f"; {stats['cudagraph_skips']} CUDA graph recordings skipped (TORCH_LOGS=cudagraphs prints why)"
+    return line
 
 
 def layer_key(model_config) -> str:

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from finetune_flows.training.compiling import (
-    compile_decoder_layers, compile_stats, compile_when_it_pays, cost_entry, layer_key, stable_gradients,
+    compile_decoder_layers, compile_stats, compile_when_it_pays, cost_entry, describe_compile, layer_key,
+    stable_gradients,
 )
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import load_split
@@ -294,11 +295,8 @@ def _train(job: dict) -> dict | None:
     clock.settle()  # every step's time, once the device has run it
     seconds = time.perf_counter() - started
     compiled = compile_stats() if tplan.compile_layers else None
-    if compiled and trainer.is_world_process_zero() and (compiled["graph_breaks"] or compiled["cudagraph_skips"]):
-        print(f"torch.compile: {compiled['frames_compiled']} frames compiled into {compiled['graphs']} graphs, "
-              f"{compiled['graph_breaks']} graph breaks ({'; '.join(compiled['graph_break_reasons'])}), "
-              f"{compiled['cudagraph_skips']} CUDA graph recordings skipped"
-              + (" (TORCH_LOGS=cudagraphs prints why)" if compiled["cudagraph_skips"] else ""), flush=True)
+    if compiled and trainer.is_world_process_zero():
+        print(describe_compile(compiled), flush=True)
 
     outside_allocator = None
     if on_gpu:
