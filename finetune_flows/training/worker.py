@@ -32,6 +32,7 @@ from finetune_flows.runtime.lifecycle import emit_event, worker_main
 from finetune_flows.runtime.lifecycle import training_callback
 from finetune_flows.models.quantize import torch_dtype
 from finetune_flows.training import sharding
+from finetune_flows.training.lean import lean_trainer, train_mode_once
 from finetune_flows.models.dequantize import dequantize_model
 from finetune_flows.models.attention import packed_kernel_for, use_packed_attention
 from finetune_flows.data.packing import FixedShape, PackedCollator, PackedDataset, PadCollator, build_schedule
@@ -239,7 +240,8 @@ def _train(job: dict) -> dict | None:
                               **(sharding.trainer_kwargs(model) if fsdp else {}))
     last_checkpoint(out / "checkpoints")  # removes a checkpoint left half-written
     os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(out / "tensorboard"))  # copied into each run's directory
-    trainer_class = sharding.trainer_class(plan.compute_dtype) if fsdp else Trainer
+    trainer_class = lean_trainer(sharding.trainer_class(plan.compute_dtype) if fsdp else Trainer)
+    train_mode_once(model)
     trainer = trainer_class(model=model, args=args, train_dataset=train_ds, data_collator=collator)
     trainer.remove_callback(PrinterCallback)  # progress goes out as events; its raw dicts would duplicate them
     trainer.add_callback(training_callback(job, trainer))  # stop on SIGTERM, progress, test faults
