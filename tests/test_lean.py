@@ -9,10 +9,16 @@ from tests.test_packing import random_rows, tiny_qwen3
 
 
 def lora_model():
+    """LoRA over a base in eval mode, as from_pretrained leaves it, whose attention dropout acts only in training
+    mode: a Trainer that never set the base's modules training would train differently."""
     from peft import LoraConfig, get_peft_model
 
+    base = tiny_qwen3()
+    base.config.attention_dropout = 0.2
+    for layer in base.model.layers:
+        layer.self_attn.attention_dropout = 0.2
     torch.manual_seed(0)
-    return get_peft_model(tiny_qwen3(), LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    return get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
 
 
 def run(tmp_path, name: str, lean: bool) -> tuple[object, dict, list]:
@@ -57,13 +63,15 @@ def test_the_lean_trainer_trains_alike_and_walks_the_model_once(tmp_path):
     assert lean.total_flos == plain.total_flos > 0  # the logged FLOPs do not change
     assert lean_losses == plain_losses
     assert plain_walks["num_parameters"] >= 6 and plain_walks["train"] >= 6  # one of each per micro-batch
-    # the parameters counted once; the mode never walked: the Trainer's set-up left the model training
-    assert lean_walks == {"num_parameters": 1, "train": 0}
+    assert lean_walks == {"num_parameters": 1, "train": 1}  # for the first micro-batch only
 
 
 def test_the_mode_walk_still_runs_after_any_change_of_mode():
     model = lora_model()
     train_mode_once(model)
+    assert model.training and not model.get_base_model().training  # as a fresh PEFT model is
+    model.train()
+    assert all(module.training for module in model.modules())
     model.eval()
     assert not any(module.training for module in model.modules())
     assert model.train() is model

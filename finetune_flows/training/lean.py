@@ -7,9 +7,10 @@ parameters for Qwen3's 28 layers):
 
 - `floating_point_ops` (for the logged `total_flos`) counts the non-embedding parameters again for each micro-batch;
   here they are counted once. The figure is the same.
-- `training_step` calls `model.train()` first, which sets the mode of every module; here the walk is skipped while
-  the top module is already training. Modes change through the top module (the Trainer's `model.eval()` for an
-  evaluation, then `train()` again), so after any such change the walk runs as before.
+- `training_step` calls `model.train()` first, which sets the mode of every module; here the walk runs once, and
+  again only after a call that left training (`eval()`, `train(False)`: the Trainer's evaluation). A model fresh from
+  `from_pretrained` is in eval mode under a PEFT wrapper that is not, so the first walk is needed. A submodule's
+  mode changed directly, not through the top module, would not be seen.
 """
 
 from __future__ import annotations
@@ -34,13 +35,17 @@ def lean_trainer(trainer_class):
 
 
 def train_mode_once(model) -> None:
-    """`model.train()` (or `train(True)`) walks the modules only when the top module is not already training; every
-    other call (`eval()`, `train(False)`) walks them as before."""
+    """`model.train()` (or `train(True)`) walks the modules the first time, then only after a call that left
+    training; `eval()` and `train(False)` walk them as before."""
     walk = model.train
+    walked = False  # every module set to training by the last walk, and no walk out of it since
 
     def train(mode: bool = True):
-        if mode and model.training:
+        nonlocal walked
+        if mode and walked:
             return model
-        return walk(mode)
+        result = walk(mode)
+        walked = mode
+        return result
 
     model.train = train
