@@ -4,6 +4,7 @@ also checks that the row names what it tests; the last ones that the declared ke
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 import shutil
@@ -34,6 +35,7 @@ train_key, eval_key, checkpoint_key = train_adapter.CACHE_KEY, evaluate_adapter.
 REPO = Path(__file__).resolve().parent.parent
 PLAN = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
             eval_attn="sdpa")
+KERNELS = "hardware.kernels={RMSNorm: 'kernels-community/liger_kernels:LigerRMSNorm'}"  # layers swapped at evaluation
 NOT_IN_ANY = ["run.name=other", "run.output_dir=/elsewhere", "run.cache_dir=/another/cache", "hardware.gpus=cpu",
               "hardware.memory_budget_gib=24"]
 
@@ -239,7 +241,7 @@ def test_evaluate_adapter_row(tmp_path, monkeypatch):
     for named in ("dataset", "4-bit base", "adapter's files", "`eval.*`", "attention", "device", "torch",
                   "transformers", "peft", "bitsandbytes", "accelerate", "`finetune_flows/evaluation/evaluate.py`",
                   "`finetune_flows/evaluation/worker.py`", "`finetune_flows/evaluation/metrics.py`", "`train.*`",
-                  "`lora.*`", "`run.*`"):
+                  "`lora.*`", "`run.*`", "`hardware.kernels`"):
         assert named in row, named
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -255,6 +257,7 @@ def test_evaluate_adapter_row(tmp_path, monkeypatch):
     for plan_change in ({"eval_attn": "eager"}, {"device": "cuda"}):
         assert eval_key(cfg, dataset(), base_model(), adapter, PLAN.model_copy(update=plan_change)) \
             != keys.reference
+    keys.assert_in_key([KERNELS])
     # the attention setting counts as the backend it resolves to (the plan's eval_attn, above), not as written
     keys.assert_not_in_key(["train.learning_rate=1e-3", "lora.r=4", "eval.attn_implementation=sdpa", *NOT_IN_ANY])
     keys.assert_library_and_code_in_key(monkeypatch, "evaluate-adapter", tmp_path, cfg)
@@ -264,7 +267,7 @@ def test_evaluate_checkpoint_row(tmp_path, monkeypatch):
     row = readme_row("evaluate-checkpoint")
     for named in ("dataset", "4-bit base", "checkpoint's files", "model card", "`eval.*`", "attention", "device",
                   "`finetune_flows/evaluation/evaluate.py`", "`finetune_flows/evaluation/worker.py`", "`train.*`",
-                  "`export.*`", "`run.*`"):
+                  "`export.*`", "`run.*`", "`hardware.kernels`"):
         assert named in row, named
     merged = tmp_path / "merged"
     merged.mkdir()
@@ -272,7 +275,7 @@ def test_evaluate_checkpoint_row(tmp_path, monkeypatch):
         (merged / name).write_text(content)
     keys = Keys(lambda cfg: checkpoint_key(cfg, dataset(), base_model(), merged, PLAN), [])
     cfg = load_config(None)
-    keys.assert_in_key(section_overrides("eval", EvalConfig, cfg, skip=EVAL_ATTENTION))
+    keys.assert_in_key([*section_overrides("eval", EvalConfig, cfg, skip=EVAL_ATTENTION), KERNELS])
     assert checkpoint_key(cfg, dataset("d2"), base_model(), merged, PLAN) != keys.reference
     assert checkpoint_key(cfg, dataset(), base_model("b2"), merged, PLAN) != keys.reference
     elsewhere = tmp_path / "cache" / "merged" / "abc"  # another copy, another card: the same checkpoint
@@ -340,3 +343,34 @@ def test_the_engine_names_the_store_entry_by_the_declared_key(name, tmp_path, to
     with pytest.raises(EntryBuilt):
         getattr(module, name).fn(*call)
     assert built == [(module.CACHE_KEY.kind, module.CACHE_KEY(*key_args))]
+
+
+def imported_engine_modules(entries: tuple[str, ...]) -> set[str]:
+    """The engine modules (`training/worker`) that `entries` import, directly or through each other."""
+    package = REPO / "finetune_flows"
+    seen, todo = set(), list(entries)
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        for node in ast.walk(ast.parse((package / f"{module}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("finetune_flows"):
+                where = node.module.removeprefix("finetune_flows").strip(".").replace(".", "/")
+                for alias in node.names:  # `from finetune_flows.training import sharding` names a module
+                    name = f"{where}/{alias.name}".strip("/")
+                    todo.append(name if (package / f"{name}.py").is_file() else where)
+    return {module for module in seen if (package / f"{module}.py").is_file()}
+
+
+@pytest.mark.parametrize("step", sorted(fingerprint.STEP_CODE))
+def test_every_module_a_step_runs_is_in_its_key_or_declared_outside_it(step):
+    """A module that starts to shape a step's output (the training worker's Trainer, the evaluation's layer kernels)
+    changes that step's key: every engine module the step's code imports is in STEP_CODE, or declared as plumbing or
+    as reaching the key through an input's fingerprint."""
+    imported = imported_engine_modules(fingerprint.STEP_ENTRIES[step])
+    assert set(fingerprint.STEP_ENTRIES[step]) <= set(fingerprint.STEP_CODE[step])
+    unkeyed = imported - set(fingerprint.STEP_CODE[step]) - fingerprint.PLUMBING_CODE \
+        - fingerprint.CODE_KEYED_BY_INPUTS[step]
+    assert not unkeyed, f"{step} runs code that is not in its cache key: {sorted(unkeyed)}"
+    assert "training/lean" in imported_engine_modules(fingerprint.STEP_ENTRIES["train-adapter"])  # the walk works

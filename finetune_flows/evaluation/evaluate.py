@@ -95,10 +95,12 @@ def with_metrics(report: EvalReport, data: PreparedDataset) -> EvalReport:
 
 def _key_parts(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan,
                step: str) -> dict[str, Any]:
-    # eval.attn_implementation is in the key as what it resolved to (plan.eval_attn), not as written
+    # eval.attn_implementation is in the key as what it resolved to (plan.eval_attn), not as written; hardware.kernels
+    # swaps layers' implementations (models/kernels.py)
     return {"data": data.fingerprint, "base": base.fingerprint,
             "eval": cfg.eval.model_dump(mode="json", exclude={"attn_implementation"}),
-            "attention": plan.eval_attn, "dtype": plan.eval_dtype, "device": plan.device, **step_versions(step)}
+            "attention": plan.eval_attn, "dtype": plan.eval_dtype, "device": plan.device,
+            "kernels": cfg.hardware.kernels, **step_versions(step)}
 
 
 def eval_key_parts(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter_path: Path,

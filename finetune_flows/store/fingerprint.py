@@ -38,12 +38,47 @@ STEP_CODE: dict[str, tuple[str, ...]] = {
     "quantize-base-model": ("models/quantize", "models/sources"),
     "train-adapter": ("training/train", "training/worker", "data/packing", "models/attention", "training/planner",
                       "training/distributed", "training/sharding", "training/compiling", "models/dequantize",
-                      "config/plan"),
+                      "config/plan", "training/lean"),
     "evaluate-adapter": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
-                         "evaluation/static_engine", "models/dequantize", "data/packing"),
+                         "evaluation/static_engine", "models/dequantize", "data/packing", "models/kernels"),
     "evaluate-checkpoint": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
-                            "evaluation/static_engine", "models/dequantize", "data/packing"),
+                            "evaluation/static_engine", "models/dequantize", "data/packing", "models/kernels"),
     "merge-adapter": ("export/merge", "models/dequantize"),
+}
+
+# Where each step's output is computed: these modules and every engine module they import, directly or not, are
+# either in the step's STEP_CODE or named below (tests/test_cache_keys.py), so a module that starts to shape an output
+# cannot stay out of the key unnoticed.
+STEP_ENTRIES: dict[str, tuple[str, ...]] = {
+    "prepare-dataset": ("data/dataset",),
+    "quantize-base-model": ("models/quantize",),
+    "train-adapter": ("training/train", "training/worker"),
+    "evaluate-adapter": ("evaluation/evaluate", "evaluation/worker"),
+    "evaluate-checkpoint": ("evaluation/evaluate", "evaluation/worker"),
+    "merge-adapter": ("export/merge",),
+}
+# How the work runs and is recorded, not what it computes: processes, locks, logs, events, timing, the store, the
+# config's schema and checks (its values are in the keys), and the plan's resolution (the resolved device, precision,
+# attention backends and strategy are in the keys; the training planner is in its step's code).
+PLUMBING_CODE = frozenset({
+    "errors", "logs", "orchestration/concurrency", "reporting/progress", "reporting/tracking", "runtime/environment",
+    "runtime/forkserver", "runtime/gpus", "runtime/launcher", "runtime/lifecycle", "runtime/policy",
+    "runtime/processes", "store/entries", "store/fingerprint", "training/attempts", "training/checkpoints",
+    "training/clock", "training/profiling", "config/preflight", "config/schema", "config/plan", "training/planner",
+    "training/sharding", "models/backends",
+})
+# Per step, imported code whose effect reaches the key through an input's fingerprint (the dataset's, the base
+# model's, the adapter's files), or that the step uses for something else than its output.
+_INPUTS = ("data/dataset", "data/rows", "data/demo", "models/sources", "models/quantize")
+CODE_KEYED_BY_INPUTS: dict[str, frozenset[str]] = {
+    "prepare-dataset": frozenset(),
+    "quantize-base-model": frozenset({"models/sources", "data/demo"}),
+    # models/backends' probe generates with evaluation/generation, and only checks hardware.kernels
+    "train-adapter": frozenset({*_INPUTS, "evaluation/generation", "models/kernels"}),
+    # the evaluation reads the name of export/merge's record, to leave it out of a checkpoint's key
+    "evaluate-adapter": frozenset({*_INPUTS, "export/merge"}),
+    "evaluate-checkpoint": frozenset({*_INPUTS, "export/merge"}),
+    "merge-adapter": frozenset(_INPUTS),
 }
 
 
