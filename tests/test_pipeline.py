@@ -23,7 +23,8 @@ def first_run(prefect_server, shared_cache, tmp_path_factory):
     return finetune(tiny_config(shared_cache / "pipeline", runs, **{"export.merge": True})), runs
 
 
-def artifact_keys_of_latest_flow_run() -> set[str]:
+def artifacts_of_latest_flow_run() -> dict[str, str]:
+    """The latest flow run's keyed artifacts: key -> content."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.sorting import FlowRunSort
 
@@ -32,7 +33,7 @@ def artifact_keys_of_latest_flow_run() -> set[str]:
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
         arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
-        return {a.key for a in arts if a.key}
+        return {a.key: str(a.data) for a in arts if a.key}
 
 
 def test_whole_flow_produces_an_evaluated_adapter(first_run):
@@ -61,7 +62,7 @@ def test_whole_flow_produces_an_evaluated_adapter(first_run):
     assert report.base.generated == report.adapter.generated == 8
     assert report.adapter.loss < report.base.loss  # the adapter learned something measurable on held-out rows
     assert {"environment-report", "train-progress", "train-loss", "eval-metrics", "eval-samples",
-            "adapter-location", "run-summary", "step-cache"} <= artifact_keys_of_latest_flow_run()
+            "adapter-location", "run-summary", "step-cache", "training-plan"} <= set(artifacts_of_latest_flow_run())
 
 
 def test_second_identical_run_is_served_from_cache(first_run, shared_cache):
@@ -71,6 +72,10 @@ def test_second_identical_run_is_served_from_cache(first_run, shared_cache):
     again = finetune(tiny_config(shared_cache / "pipeline", runs))
     assert again.cached_steps == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter"]
     assert again.run_dir != result.run_dir and (result.run_dir / "summary.json").is_file()  # earlier run untouched
+    # the plan shown is the one the adapter was trained with, not one made again on this machine today
+    plan = artifacts_of_latest_flow_run()["training-plan"]
+    assert plan.startswith("# Training plan (the cached adapter's)")
+    assert f"| micro_batch_tokens | {result.train.training_plan.micro_batch_tokens} |" in plan
     assert again.eval.adapter.loss == result.eval.adapter.loss
     # read back, not trained: the entry is as the first run committed it (wall time is no witness: the run's Prefect
     # round trips, tag concurrency slots among them, can outlast the tiny training on a loaded host)

@@ -126,12 +126,16 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
         raise UserInputError(f"training plan{f' (within {share})' if share else ''}: {exc}") from None
 
 
-def publish_training_plan(tplan: TrainingPlan) -> None:
+def publish_training_plan(tplan: TrainingPlan, cached: bool = False) -> None:
+    """The plan in the run's log and as the `training-plan` artifact; `cached`: the plan a reused adapter was trained
+    with, which this machine's free memory today may not repeat."""
+    whose = " (the cached adapter's)" if cached else ""
+    run_logger().info("training plan%s: %s", whose, "; ".join(tplan.reasons))
     from prefect.artifacts import create_markdown_artifact
 
     lines = ["| choice | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in tplan.model_dump().items() if k != "reasons"]
-    md = "# Training plan\n\n" + "\n".join(lines) + "\n\n" + "\n".join(f"- {r}" for r in tplan.reasons) + "\n"
+    md = f"# Training plan{whose}\n\n" + "\n".join(lines) + "\n\n" + "\n".join(f"- {r}" for r in tplan.reasons) + "\n"
     try:
         create_markdown_artifact(md, key="training-plan", description="Micro-batch, accumulation, checkpointing")
     except Exception as exc:  # outside a Prefect run
@@ -158,14 +162,6 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     run writes the checkpoints it resumes from); a retry resumes from the last complete checkpoint."""
     entry = Entry(cfg.cache_root, "adapters", train_fingerprint(cfg, data, base, plan))
     out = entry.path
-    tplan = training_plan(cfg, data, base, plan, gpus)
-    plan = plan.with_training(tplan)
-    if plan.strategy_choice:
-        tplan.reasons.insert(0, plan.strategy_choice)
-        if cfg.hardware.strategy == "fsdp" and plan.strategy == "ddp":
-            run_logger().warning(plan.strategy_choice)
-    run_logger().info("training plan: %s", "; ".join(tplan.reasons))
-    publish_training_plan(tplan)
 
     def resume_point() -> int | None:
         resume = last_checkpoint(out / "checkpoints")
@@ -173,16 +169,25 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             run_logger().warning("found %s from an interrupted attempt: resuming from it", resume)
         return int(resume.name.split("-")[-1]) if resume else None
 
-    def attempt(split: int, observe) -> None:
-        job = write_train_job(out, cfg, plan, base, data, gpus.ids, entry.key, micro_batch_split=split,
-                              compile_record={"cache": str(cfg.cache_root), "gpus": gpu_models(gpus)})
-        with ProgressReporter(cfg.train.max_steps) as progress:
-            run_worker("train", train_command(cfg, plan, job, entry.key),
-                       training_env({**gpus.env, **compile_caches(cfg.cache_root, gpus)}), out,
-                       on_event=lambda event: (observe(event), progress(event)),
-                       stop_grace=cfg.hardware.stop_grace_seconds)
-
     def produce() -> TrainResult:
+        # planned only for training: a reused adapter reports the plan it was trained with
+        tplan = training_plan(cfg, data, base, plan, gpus)
+        planned = plan.with_training(tplan)
+        if planned.strategy_choice:
+            tplan.reasons.insert(0, planned.strategy_choice)
+            if cfg.hardware.strategy == "fsdp" and planned.strategy == "ddp":
+                run_logger().warning(planned.strategy_choice)
+        publish_training_plan(tplan)
+
+        def attempt(split: int, observe) -> None:
+            job = write_train_job(out, cfg, planned, base, data, gpus.ids, entry.key, micro_batch_split=split,
+                                  compile_record={"cache": str(cfg.cache_root), "gpus": gpu_models(gpus)})
+            with ProgressReporter(cfg.train.max_steps) as progress:
+                run_worker("train", train_command(cfg, planned, job, entry.key),
+                           training_env({**gpus.env, **compile_caches(cfg.cache_root, gpus)}), out,
+                           on_event=lambda event: (observe(event), progress(event)),
+                           stop_grace=cfg.hardware.stop_grace_seconds)
+
         check_lora_targets(base.path, cfg.lora.target_modules, cfg.model.trust_remote_code)  # before torchrun
         limit = split_limit(tplan.packing, tplan.micro_batch_tokens, tplan.micro_batch_rows, max(row_lengths(data)))
         with device_slots(gpus.ids):  # lock order: the entry's lock (held by the caller), then the devices
@@ -190,4 +195,6 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
         return TrainResult.model_validate(whole_run(out, json.loads((out / "train_metrics.json").read_text())))
 
     result, reused = reuse_or_produce(entry, TrainResult, produce, TRAIN_OUTPUTS, keep=RESUMABLE)
+    if reused and result.training_plan is not None:
+        publish_training_plan(result.training_plan, cached=True)
     return step_state(result, reused, entry)
