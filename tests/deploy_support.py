@@ -46,6 +46,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def healthy(url: str) -> bool:
+    """Whether the server at `url` answers GET `<url>/health` (Prefect's and MLflow's liveness endpoint)."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2):
+            return True
+    except OSError:  # refused, timed out, or an HTTP error status
+        return False
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, what: str, timeout: float = 120) -> None:
+    """Wait until the server `proc` started answers at `url`; fail with its log's tail if it exits or `timeout`
+    passes first."""
+    deadline = time.monotonic() + timeout
+    while not healthy(url):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not healthy after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
 def stop(proc: subprocess.Popen, grace: float = 20.0) -> None:
     """Terminate a process started with start_new_session=True, its group, and everything it spawned."""
     pids = [proc.pid, *descendants(proc.pid)]
@@ -122,17 +143,7 @@ class PrefectStack:
 
     def start_server(self, timeout: float = 120, log: str = "server") -> None:
         proc = self._spawn([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)], log)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited:\n{(self.logs / f'{log}.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        raise TimeoutError(f"prefect server not healthy after {timeout} s")
+        wait_healthy(self.api_url, proc, self.logs / f"{log}.log", "prefect server", timeout)
 
     def restart_server(self, down_seconds: float) -> None:
         """Stop the server, leave it down for a while, start it again on the same port and database."""

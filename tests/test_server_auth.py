@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.deploy_support import PREFECT, ROOT, STAMP, PrefectStack
+from tests.deploy_support import PREFECT, ROOT, STAMP, PrefectStack, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -24,16 +23,8 @@ def server(tmp_path_factory):
     stack = PrefectStack(home=tmp / "home", logs=tmp / "logs")
     stack.env["PREFECT_SERVER_API_AUTH_STRING"] = AUTH
     proc = stack._spawn(["make", "-o", STAMP, "server", f"PREFECT_PORT={stack.port}"], "server")
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:  # /api/health answers without credentials (liveness probes)
-        assert proc.poll() is None, (tmp / "logs" / "server.log").read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(f"{stack.api_url}/health", timeout=2):
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        raise TimeoutError("make server did not come up")
+    # /api/health answers without credentials (liveness probes)
+    wait_healthy(stack.api_url, proc, tmp / "logs" / "server.log", "make server", timeout=180)
     try:
         yield stack
     finally:

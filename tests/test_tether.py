@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
 from finetune_flows.runtime.processes import ProcessId, tree, wait_gone
-from tests.deploy_support import ROOT, STAMP, PrefectStack
+from tests.deploy_support import ROOT, STAMP, PrefectStack, healthy
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +23,6 @@ def up(check, proc: subprocess.Popen, log, timeout: float = 120) -> None:
     while not check():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.3)
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 def end_make(proc: subprocess.Popen, how: str) -> list[ProcessId]:

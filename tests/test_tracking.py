@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import tiny_config
-from deploy_support import free_port, stop
+from deploy_support import free_port, stop, wait_healthy
 from finetune_flows.config.schema import load_config
 from finetune_flows.errors import ConfigError
 from finetune_flows.reporting.tracking import check_tracking
@@ -34,15 +32,7 @@ def mlflow_server(tmp_path_factory):
                              "--artifacts-destination", str(tmp / "artifacts")],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlflow server did not start:\n{(tmp / 'server.log').read_text()[-3000:]}")
-                time.sleep(0.5)
+        wait_healthy(url, proc, tmp / "server.log", "mlflow server", timeout=180)
         yield url
     finally:
         stop(proc)
