@@ -35,7 +35,7 @@ from typing import Callable, Iterator, TypeVar
 
 from finetune_flows.config.schema import HardwareConfig
 from finetune_flows.errors import NotRetryable, UserInputError
-from finetune_flows.runtime.lifecycle import preexec_die_with
+from finetune_flows.runtime.lifecycle import Stopped, preexec_die_with, request_stop
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -45,15 +45,8 @@ DRAIN_SECONDS = 3  # after the run has unwound: Prefect's background services fl
 _stop_grace: float | None = None  # the run's hardware.stop_grace_seconds, once its config is checked
 
 
-class Stopped(KeyboardInterrupt):
-    """The run was stopped by a signal (SIGTERM or SIGINT)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def _raise_stopped(signum: int, frame) -> None:
+    request_stop(signum)  # raised again where the run waits, should this exception land in a finalizer and be lost
     _arm_stop_deadline(signum)
     raise Stopped(signum)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from finetune_flows.orchestration.steps import Step
+from finetune_flows.runtime.lifecycle import raise_if_stopped
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ def run_step(step: Step, *args: Any, **kwargs: Any) -> tuple[Any, StepRun]:
     Steps reuse verified store entries (finetune_flows/store/entries.py) and then finish in a Completed state named
     `Cached`, as the Prefect UI shows them; this is the one cache layer, so there is nothing to reconcile here.
     """
+    raise_if_stopped()  # a stop whose exception was lost does not start the next step
     started = time.perf_counter()
     state = step(*args, return_state=True, **kwargs)
     result = state.result()

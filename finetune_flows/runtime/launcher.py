@@ -30,7 +30,7 @@ from finetune_flows.runtime import forkserver
 from finetune_flows.errors import DiskFull, UserInputError, WorkerFailed, WorkerInterrupted, WorkerOOM
 from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import (
-    EVENT_PREFIX, GRACE_ENV, LAUNCHER_ENV, classify, failure_path, preexec_die_with,
+    EVENT_PREFIX, GRACE_ENV, LAUNCHER_ENV, classify, failure_path, preexec_die_with, raise_if_stopped,
 )
 from finetune_flows.runtime.policy import worker_environment
 from finetune_flows.runtime.processes import ProcessId, signal_tree, tree, wait_gone, write_record
@@ -126,6 +126,7 @@ class WorkerOutput:
         """Handle lines until the worker closes its output; on_tick runs every couple of seconds."""
         last = time.monotonic()
         while True:
+            raise_if_stopped()
             try:
                 line = self.lines.get(timeout=1.0)
             except queue.Empty:

@@ -37,6 +37,32 @@ FAULTS_ENV = "FINETUNE_FLOWS_FAULTS"  # JSON, see Faults
 EVENT_PREFIX = "@@event "  # a worker's structured output line (emit_event)
 
 PR_SET_PDEATHSIG = 1
+class Stopped(KeyboardInterrupt):
+    """The run was stopped by a signal (SIGTERM or SIGINT)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_stop_requested: int | None = None  # the signal that asked this process to stop, once one has
+
+
+def request_stop(signum: int) -> None:
+    """Record that a signal asked the run to stop (the CLI's handler, before it raises Stopped)."""
+    global _stop_requested
+    if _stop_requested is None:
+        _stop_requested = signum
+
+
+def raise_if_stopped() -> None:
+    """Raise Stopped again where a stop was requested. A signal handler's exception is lost when it lands in an
+    object's finalizer (Python prints "Exception ignored in ... __del__"), and the run would go on: the places that
+    wait on a worker, and each step's start, call this."""
+    if _stop_requested is not None:
+        raise Stopped(_stop_requested)
+
+
 _libc = ctypes.CDLL(None, use_errno=True)  # resolved now: preexec_fn runs between fork and exec
 
 
