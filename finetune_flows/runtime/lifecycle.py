@@ -37,6 +37,8 @@ FAULTS_ENV = "FINETUNE_FLOWS_FAULTS"  # JSON, see Faults
 EVENT_PREFIX = "@@event "  # a worker's structured output line (emit_event)
 
 PR_SET_PDEATHSIG = 1
+
+
 class Stopped(KeyboardInterrupt):
     """The run was stopped by a signal (SIGTERM or SIGINT)."""
 
