@@ -70,6 +70,8 @@ def test_cuda_graphs_with_a_setting_that_rules_them_out_is_refused():
     assert ("train.cuda_graphs=true with train.packing=false and train.compile=false: CUDA graphs replay compiled "
             "layers of packed micro-batches of one shape") in str(info.value)
     assert load_config(None, ["train.cuda_graphs=true"]).train.cuda_graphs  # auto settings leave it to the planner
+    # `auto` (the default) leaves them to the planner whatever the other settings
+    assert load_config(None, ["train.packing=false", "train.compile=false"]).train.cuda_graphs == "auto"
 
 
 def test_checkpoint_cadence_adapts_to_short_runs():

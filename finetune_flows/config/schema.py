@@ -161,12 +161,15 @@ class TrainConfig(Section):
         "through bitsandbytes' 4-bit matmuls (not under FSDP). `auto`: where the base is held dequantized on an "
         "NVIDIA GPU, once the first steps' measured time shows that the rest of the run repays the compilation "
         "(finetune_flows/training/compiling.py; the speed-ups: benchmarks/README.md).")
-    cuda_graphs: bool = Field(
-        False, description="Replay each compiled decoder layer's forward and backward pass as CUDA graphs "
+    cuda_graphs: bool | Literal["auto"] = Field(
+        "auto", description="Replay each compiled decoder layer's forward and backward pass as CUDA graphs "
         "(torch.compile mode=\"reduce-overhead\"), for steps bound by the host's kernel launches (small models): "
         "every packed micro-batch is padded to the planned size with ignored rows of its own, so all steps share one "
         "shape. Needs train.packing and compiled layers; the planner leaves it off, and says so, where it does not "
-        "compile the layers (the CPU) or shards them (FSDP).")
+        "compile the layers (the CPU) or shards them (FSDP). `true` plans the micro-batches around the graphs' memory "
+        "pool; `auto`: on one GPU, where the layers of the dequantized base compile before the first step "
+        "(train.compile=true), without activation checkpointing and with room left for the pool "
+        "(the speed-up: benchmarks/README.md).")
     upcast_frozen: bool | Literal["auto"] = Field(
         "auto", description="Keep the frozen embeddings, norms and lm_head in fp32 as PEFT's "
         "prepare_model_for_kbit_training does (true), or in the compute dtype (false); `auto`: the measured "
@@ -491,7 +494,7 @@ def consistency_problems(cfg: FinetuneConfig) -> list[str]:
     if cfg.hardware.strategy == "fsdp" and t.upcast_frozen is True:
         problems.append("hardware.strategy=fsdp with train.upcast_frozen=true: FSDP2 shards units of one dtype, so "
                         "frozen weights stay in the compute dtype; set train.upcast_frozen to auto or false")
-    if t.cuda_graphs:
+    if t.cuda_graphs is True:
         conflicts = [f"train.{key}=false" for key in ("packing", "compile") if getattr(t, key) is False]
         if conflicts:
             problems.append(f"train.cuda_graphs=true with {' and '.join(conflicts)}: CUDA graphs replay compiled "

@@ -40,6 +40,10 @@ BUDGET_FRACTION = 0.70  # of a GPU's free memory: others may share the GPU and g
 # allocator may hold the rest: the plan is made for it and the workers cap the allocator there, so the whole process
 # fits.
 OUTSIDE_ALLOCATOR = 1.5 * GIB
+# The private memory pool of the decoder layers' CUDA graphs (train.cuda_graphs), above the plan's peak: measured
+# +0.9 GiB reserved on the Qwen3-0.6B shape and +1.6 GiB on Qwen3-8B at ~10k-token micro-batches
+# (benchmarks/results/train-bench-1xGPU-20261205-021848/NOTE.md).
+GRAPH_POOL = 2 * GIB
 USEFUL_TOKENS = 4096  # below this a micro-batch underfills a data-centre GPU: worth checkpointing to get there
 MAX_MICRO_BATCH_TOKENS = 65536  # beyond this, larger micro-batches no longer speed anything up
 
@@ -148,9 +152,10 @@ def _logit_bytes_per_token(shape: ModelShape, fused_ce: bool) -> float:
 
 def memory_parts(shape: ModelShape, tokens: int, *, checkpointing: bool, four_bit: bool, lora_r: int,
                  lora_targets: list[str] | str, fused_ce: bool, dtype_bytes: int = 2, upcast: bool = True,
-                 shards: int = 1) -> dict[str, float]:
+                 shards: int = 1, graphs: bool = False) -> dict[str, float]:
     """Predicted memory of one rank for a micro-batch of `tokens` packed tokens, in bytes, by part: the frozen base,
-    the adapter (weights, gradients, AdamW moments), the activations and logits, the fixed reserve."""
+    the adapter (weights, gradients, AdamW moments), the activations and logits, the fixed reserve, and with `graphs`
+    the CUDA graphs' pool."""
     frozen = 4 if upcast else dtype_bytes
     # with PEFT's fp32 upcast the embeddings hand fp32 to the first norm and bitsandbytes returns each projection in
     # its input's dtype, so every saved activation is fp32 (twice the bytes of bf16)
@@ -161,7 +166,8 @@ def memory_parts(shape: ModelShape, tokens: int, *, checkpointing: bool, four_bi
         weights = _sharded_base_bytes(shape, weights, shards, four_bit, frozen, dtype_bytes)
     per_token = shape.activation_bytes_per_token(checkpointing, act, act)
     per_token += _logit_bytes_per_token(shape, fused_ce)
-    return {"base": weights, "adapter": lora, "activations": tokens * per_token, "reserve": CONTEXT_RESERVE}
+    parts = {"base": weights, "adapter": lora, "activations": tokens * per_token, "reserve": CONTEXT_RESERVE}
+    return parts | ({"cuda_graphs": GRAPH_POOL} if graphs else {})
 
 
 def peak_bytes(shape: ModelShape, tokens: int, **kw) -> float:
@@ -186,23 +192,40 @@ def planning_bytes(free_mib: int | None, budget_gib: float | None = None) -> tup
     return allocator_bytes(budget_gib), f"hardware.memory_budget_gib={budget_gib:g} less {outside}"
 
 
-def plan_training(shape: ModelShape, *, cuda_graphs: bool = False, **batches) -> TrainingPlan:
+def plan_training(shape: ModelShape, *, cuda_graphs: bool | str = False, ranks: int = 1, **batches) -> TrainingPlan:
     """The plan of plan_batches (its keywords: `batches`) with CUDA graphs where asked for (`cuda_graphs`) and
-    possible: on one GPU or several under DDP, the layers compiled (a checkpoint then recomputes inside each layer's
-    graph: training/compiling.py) and the rows packed."""
+    possible: on one GPU or several under DDP (`ranks` in all), the layers compiled (a checkpoint then recomputes
+    inside each layer's graph: training/compiling.py) and the rows packed. `true` plans the micro-batches around the
+    graphs' pool (GRAPH_POOL); `auto` keeps the plan and holds graphs only where they were measured to pay and the
+    plan leaves room for their pool."""
     plan = plan_batches(shape, **batches)
-    if not cuda_graphs:
+    if cuda_graphs is False:
         return plan
     why_not = ("no GPU" if batches.get("free_mib") is None else
                "FSDP shards the layers" if batches.get("shards", 1) > 1 else
                "the decoder layers are not compiled" if not plan.compile_layers else
                "the rows are not packed" if not plan.packing else None)
+    if why_not is None and cuda_graphs == "auto":
+        room = (plan.budget_gib - plan.predicted_peak_gib) * GIB
+        why_not = (f"{ranks} ranks (measured on one)" if ranks > 1 else
+                   "the layers compile mid-run (train.compile=auto; true compiles them before the first step)"
+                   if plan.compile_deferred else
+                   "the base stays 4-bit (measured over the dequantized base)"
+                   if batches.get("four_bit") and not plan.dequantize_base else
+                   "activation checkpointing is on (measured without it)" if plan.gradient_checkpointing else
+                   f"the plan leaves {room / GIB:.1f} GiB, less than their pool ({GRAPH_POOL / GIB:.0f} GiB)"
+                   if room < GRAPH_POOL else None)
     if why_not:
-        plan.reasons.append(f"CUDA graphs off (train.cuda_graphs): {why_not}")
+        plan.reasons.append(f"CUDA graphs off (train.cuda_graphs={str(cuda_graphs).lower()}): {why_not}")
         return plan
+    if cuda_graphs is True:  # the micro-batches planned around the graphs' pool
+        plan = plan_batches(shape, graphs=True, **batches)
+        peak = plan.predicted_peak_gib
+    else:
+        peak = round(plan.predicted_peak_gib + GRAPH_POOL / GIB, 2)
     plan.reasons.append(f"CUDA graphs: each compiled layer's passes replayed, every micro-batch padded to "
-                        f"{plan.micro_batch_tokens} tokens")
-    return plan.model_copy(update={"cuda_graphs": True})
+                        f"{plan.micro_batch_tokens} tokens ({GRAPH_POOL / GIB:.0f} GiB planned for their pool)")
+    return plan.model_copy(update={"cuda_graphs": True, "predicted_peak_gib": peak})
 
 
 def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,
@@ -211,7 +234,7 @@ def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_
                  dtype_bytes: int = 2, upcast: bool = True, per_device_rows: int = 8,
                  accumulation: int = 1, dequantize: bool = False,
                  compile_layers: bool = False, compile_deferred: bool = False, shards: int = 1,
-                 budget_gib: float | None = None) -> TrainingPlan:
+                 budget_gib: float | None = None, graphs: bool = False) -> TrainingPlan:
     """Choose micro-batch size, accumulation, checkpointing and whether to hold the base dequantized (asked for by
     `dequantize`). `free_mib` is the least free memory of the selected GPUs (None on the CPU), `budget_gib`
     `hardware.memory_budget_gib` (planning_bytes: what the plan may use of them). `compile_deferred` compiles the
@@ -224,7 +247,7 @@ def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_
     batches = dict(max_row=max_row, mean_row=mean_row, rows_per_step=rows_per_step, packing=packing,
                    micro_batch_tokens=micro_batch_tokens, lora_r=lora_r, lora_targets=lora_targets,
                    fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, per_device_rows=per_device_rows,
-                   accumulation=accumulation, shards=shards, budget_gib=budget_gib)
+                   accumulation=accumulation, shards=shards, budget_gib=budget_gib, graphs=graphs)
     plan = _plan_batches(shape, free_mib=free_mib, four_bit=four_bit, checkpointing=checkpointing, **batches)
     if not four_bit:
         return plan.model_copy(update={"compile_layers": compile_layers,
@@ -243,7 +266,7 @@ def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_
     if not fits:
         tokens = plan.micro_batch_tokens or plan.micro_batch_rows * max_row
         peak = peak_bytes(shape, tokens, checkpointing=ckpt, four_bit=False, lora_r=lora_r, lora_targets=lora_targets,
-                          fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, shards=shards)
+                          fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, shards=shards, graphs=graphs)
         plan.reasons.append(f"NF4 base kept 4-bit: dequantized it would need {peak / GIB:.1f} GiB at this micro-batch, "
                             f"and no micro-batch {'with' if ckpt else 'without'} activation checkpointing that holds "
                             f"the longest row fits beside the dequantized weights"
@@ -282,12 +305,12 @@ def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
                   rows_per_step: int, packing: bool, micro_batch_tokens: int | None, checkpointing: bool | str,
                   four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
                   dtype_bytes: int, upcast: bool, per_device_rows: int, accumulation: int,
-                  shards: int, budget_gib: float | None,
+                  shards: int, budget_gib: float | None, graphs: bool,
                   ckpt_why: str = "train.gradient_checkpointing") -> TrainingPlan:
     reasons: list[str] = []
     target = rows_per_step * mean_row
     common = dict(four_bit=four_bit, lora_r=lora_r, lora_targets=lora_targets, fused_ce=fused_ce,
-                  dtype_bytes=dtype_bytes, upcast=upcast, shards=shards)
+                  dtype_bytes=dtype_bytes, upcast=upcast, shards=shards, graphs=graphs and free_mib is not None)
     budget, share = planning_bytes(free_mib, budget_gib)
 
     def fits(tokens: int, ckpt: bool) -> bool:

@@ -120,7 +120,7 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             upcast=plan.upcast_frozen, per_device_rows=t.per_device_batch_size,
             accumulation=t.gradient_accumulation_steps, dequantize=plan.dequantize_base,
             compile_layers=plan.compile != "off", compile_deferred=plan.compile == "deferred",
-            cuda_graphs=t.cuda_graphs,
+            cuda_graphs=t.cuda_graphs, ranks=world_size(cfg, plan),
             shards=world_size(cfg, plan) if plan.strategy == "fsdp" else 1, budget_gib=budget)
     except ValueError as exc:
         raise UserInputError(f"training plan{f' (within {share})' if share else ''}: {exc}") from None
