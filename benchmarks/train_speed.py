@@ -437,7 +437,7 @@ class Bench:
         from finetune_flows.data.dataset import PreparedDataset
         from finetune_flows.runtime.environment import measured_plan
         from finetune_flows.runtime.gpus import selection_for
-        from finetune_flows.runtime.launcher import run_worker, torchrun_module, training_env
+        from finetune_flows.runtime.launcher import compile_caches, run_worker, torchrun_module, training_env
         from finetune_flows.training.train import training_plan, write_train_job
 
         overrides, env_overrides = split_overrides(overrides)
@@ -467,7 +467,8 @@ class Bench:
             extra["profile"] = {"path": str(out / "profile.json"), "start": self.args.warmup + 2, "steps": 3}
         plan = plan.with_training(tplan)
         job = write_train_job(out, cfg, plan, base, data_obj, ids, name, **extra)
-        worker_env = {**training_env(sel.env), **env_overrides}
+        # the compilers' caches in <state>/cache/compile/<GPU model>/, as a flow run keeps them in its store
+        worker_env = {**training_env({**sel.env, **compile_caches(self.cache, sel)}), **env_overrides}
         with MemoryPoller(ids) as mem:
             run_worker("train", torchrun_module("finetune_flows.training.worker", job, plan.nproc), worker_env, out)
         result = json.loads((out / "train_metrics.json").read_text())

@@ -39,6 +39,9 @@ def test_training_benchmark_smoke_run_writes_the_report(tmp_path):
     assert ours["alloc_retries"] is None  # no CUDA allocator here
     job = json.loads((tmp_path / "state" / "out" / "ours-tiny-llama" / "train.job.json").read_text())
     assert job["steady_warmup"] == 2  # the warm-up the seed's steady state leaves out (--smoke's)
+    # compiled into the state's cache, as a flow run compiles into its store: a later call can carry it
+    assert ours["training_plan"]["compile_layers"]
+    assert any((tmp_path / "state" / "cache" / "compile" / "cpu" / "inductor").iterdir())
     assert "| seed-tiny-llama |" in (out / "report.md").read_text()
 
 

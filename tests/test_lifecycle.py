@@ -146,6 +146,23 @@ def test_compile_caches_are_one_folder_per_gpu_model_in_the_projects_cache_and_a
                                                                             "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"}
 
 
+def test_torchs_own_default_in_the_environment_does_not_keep_the_compile_cache_out_of_the_project(tmp_path,
+                                                                                                   monkeypatch):
+    """Inductor writes its default folder into os.environ on first use, and importing a transformers model does
+    that (its continuous-batching cache is wrapped in torch.compiler.disable): the bench's ours rows then compiled
+    into /tmp, which a lent machine loses, instead of the store. Only a value the user chose wins."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    code = ("import os, transformers.generation.continuous_batching.cache; "
+            "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")
+    default = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert default != "None"  # torch set it, nobody asked
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default)
+    cpu = GpuSelection(ids=[], gpus=[])
+    assert compile_caches(tmp_path, cpu)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / "cpu" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert "TORCHINDUCTOR_CACHE_DIR" not in compile_caches(tmp_path, cpu)
+
+
 def test_training_workers_get_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
     """Packed micro-batches change shape every step; without expandable segments the 8B bench held 95 GiB reserved
     for 71 GiB allocated. The user's own PYTORCH_CUDA_ALLOC_CONF reaches the worker unchanged."""

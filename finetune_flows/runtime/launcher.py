@@ -13,6 +13,7 @@ the task can stop, adapt or retry instead of treating every exit code alike (tor
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import queue
@@ -20,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -86,9 +88,22 @@ def compile_caches(cache_root: Path, selection) -> dict[str, str]:
     """The compilers' caches in the project's cache, `<cache_dir>/compile/<GPU model>/`, instead of /tmp and ~/.triton,
     which a fresh container (a Prefect Docker or Kubernetes worker's flow run) or a cleaned /tmp loses: a run on a
     cache that has trained on that GPU model before starts from compiled kernels. One folder per GPU model (and one
-    for the CPU), so hosts with different GPUs can share the cache. A variable already set in the environment wins."""
+    for the CPU), so hosts with different GPUs can share the cache. A variable the user set in the environment wins."""
     root = cache_root / "compile" / gpu_models(selection)
-    return {var: str(root / folder) for var, folder in COMPILE_CACHES.items() if var not in os.environ}
+    return {var: str(root / folder) for var, folder in COMPILE_CACHES.items()
+            if os.environ.get(var) in (None, torch_default_cache(var))}
+
+
+def torch_default_cache(var: str) -> str | None:
+    """The value torch itself writes into os.environ on Inductor's first use (torch/_inductor/runtime/
+    cache_dir_utils.py; importing a transformers model is enough): not a choice of the user's."""
+    if var != "TORCHINDUCTOR_CACHE_DIR":
+        return None
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def gpu_models(selection) -> str:
