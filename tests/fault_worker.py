@@ -36,6 +36,11 @@ def _run(job: dict) -> dict | None:
 
         fn = torch.compile(lambda x: torch.nn.functional.silu(x) * 2 + 1)
         return {"value": fn(torch.ones(4)).tolist(), "inductor": cache_dir()}
+    if do == "leave":  # returns while a process it started still runs (as a compile-worker pool could)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        write_record(workdir / "left.pid", child.pid)
+        time.sleep(2.5)  # the launcher notes the worker's processes every second
+        return {"ok": True}
     if do == "user_error":
         raise DataError(f"rows.jsonl line 3: not valid JSON (rank {os.environ.get('RANK', 0)})")
     if do == "oom":

@@ -271,6 +271,23 @@ def test_an_interrupted_wait_stops_the_whole_tree_sigkill_after_the_grace_period
     assert not (tmp_path / "evaluate.pid").exists()
 
 
+def test_processes_a_finished_worker_left_behind_are_stopped_and_named(tmp_path, caplog, cpu_env):
+    """After every compiled training row on the H200 the launcher had to stop a process the finished worker left,
+    and logged "stopping the train worker (pids [960])": no word of what it was. It now says the worker exited and
+    names what it left, by command line. A leftover that holds the worker's output pipe (this one does) no longer
+    keeps the step waiting for as long as it runs."""
+    caplog.set_level(logging.INFO)
+    job = write_job(tmp_path, "train", do="leave")
+    started = time.monotonic()
+    assert run_worker("train", python_module("tests.fault_worker", job), cpu_env, tmp_path, stop_grace=5) == \
+        {"ok": True}
+    assert time.monotonic() - started < 60  # not until the leftover, holding the worker's output pipe, ends itself
+    left = ProcessId.parse((tmp_path / "left.pid").read_text())  # read_record trusts only a running process
+    assert left is not None and not left.is_running()
+    assert (f"the train worker exited (code 0) leaving processes behind: {left.pid} (" in caplog.text
+            and "import time; time.sleep(600)); SIGTERM now, SIGKILL after 5 s" in caplog.text)
+
+
 @pytest.mark.parametrize("launch", ["fresh", "forked"])
 def test_workers_die_with_an_orchestrator_killed_by_sigkill(tmp_path, launch):
     """No finally block runs after SIGKILL: the kernel's parent-death signal takes the worker down, and the

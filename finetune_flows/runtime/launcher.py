@@ -35,7 +35,7 @@ from finetune_flows.runtime.lifecycle import (
     EVENT_PREFIX, GRACE_ENV, LAUNCHER_ENV, classify, failure_path, preexec_die_with, raise_if_stopped,
 )
 from finetune_flows.runtime.policy import worker_environment
-from finetune_flows.runtime.processes import ProcessId, signal_tree, tree, wait_gone, write_record
+from finetune_flows.runtime.processes import ProcessId, describe, signal_tree, tree, wait_gone, write_record
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_STOP_GRACE = 25.0  # below the 30 s a Prefect worker waits after SIGTERM before it SIGKILLs a flow run
@@ -137,14 +137,18 @@ class WorkerOutput:
 
         threading.Thread(target=read, daemon=True, name=f"{self.step}-output").start()
 
-    def follow(self, on_tick: Callable[[], None]) -> None:
-        """Handle lines until the worker closes its output; on_tick runs every couple of seconds."""
+    def follow(self, on_tick: Callable[[], None], exited: Callable[[], bool]) -> None:
+        """Handle lines until the worker closes its output, or until its own process has exited and a second has
+        passed without a line: a process it left behind may hold the pipe open for as long as it runs (stop_worker
+        ends it). on_tick runs every couple of seconds."""
         last = time.monotonic()
         while True:
             raise_if_stopped()
             try:
                 line = self.lines.get(timeout=1.0)
             except queue.Empty:
+                if exited():
+                    return
                 line = ""
             if line is None:
                 return
@@ -205,8 +209,13 @@ def stop_worker(proc: subprocess.Popen | forkserver.ForkedWorker, members: set[P
     members = {m for m in members | current if m.is_running()}
     if not members:
         return
-    logger.warning("stopping the %s worker (pids %s): SIGTERM now, SIGKILL after %.0f s", output.step,
-                   sorted(m.pid for m in members), grace)
+    listed = ", ".join(describe(m.pid) for m in sorted(members, key=lambda m: m.pid))
+    if proc.poll() is None:
+        logger.warning("stopping the %s worker (pids %s): SIGTERM now, SIGKILL after %.0f s", output.step,
+                       listed, grace)
+    else:  # the worker's own process has exited: what is left is something it started and did not end
+        logger.warning("the %s worker exited (code %s) leaving processes behind: %s; SIGTERM now, SIGKILL after "
+                       "%.0f s", output.step, proc.poll(), listed, grace)
     started = time.monotonic()
     try:
         signal_tree(list(members), proc.pid, signal.SIGTERM)
@@ -255,7 +264,7 @@ def run_worker(
         output.start(proc.stdout)
         remember_members()
         _write_quietly(record, proc.pid)
-        output.follow(remember_members)
+        output.follow(remember_members, lambda: proc.poll() is not None)
         rc = proc.wait()
     finally:
         stop_worker(proc, members, stop_grace, output, logger)

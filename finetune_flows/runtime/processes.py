@@ -125,6 +125,15 @@ def remove_stale_records(directory: Path, pattern: str = "*.pid") -> None:
             path.unlink(missing_ok=True)
 
 
+def describe(pid: int) -> str:
+    """`pid (command line)`, shortened, for a log line about a process; the pid alone once it is gone."""
+    try:
+        command = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return str(pid)
+    return f"{pid} ({command[:117] + '...' if len(command) > 120 else command})"
+
+
 def tree(pid: int) -> list[ProcessId]:
     """pid and everything below it, each with its start time."""
     return [ident for p in (pid, *descendants(pid)) if (ident := ProcessId.of(p)) is not None]
