@@ -201,7 +201,7 @@ def test_refused_runs_left_no_run_directory_and_no_cache_entry(host, runs):
     # the compilers' own caches, made by the allowed run's workers when anything compiles: neither is a cache entry)
     kept = ("link", "environment-probes", "compile")
     assert sorted(p.name for p in (host / "cache").iterdir() if p.name not in kept) == [
-        ".locks", "adapters", "datasets", "dequantized", "evals", "models", "quantized", "tokenizers"]
+        ".locks", ".verified", "adapters", "datasets", "dequantized", "evals", "models", "quantized", "tokenizers"]
 
 
 def test_the_allowed_run_completes_and_never_shows_the_hosts_token(stack, host, runs):

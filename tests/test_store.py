@@ -71,7 +71,10 @@ def test_a_moved_cache_hands_back_paths_under_its_new_location(tmp_path):
     (lambda e: (e.path / "sub" / "weights.bin").write_bytes(b"weight"),
      "sub/weights.bin has 6 bytes, the manifest says 7"),
     (lambda e: (e.path / "sub" / "weights.bin").write_bytes(b"WEIGHTS"), "sub/weights.bin does not match its sha256"),
-], ids=["truncated-manifest", "no-manifest", "missing-file", "truncated-file", "changed-bytes"])
+    (lambda e: overwrite_keeping_mtime(e.path / "sub" / "weights.bin", b"WEIGHTS"),
+     "sub/weights.bin does not match its sha256"),
+], ids=["truncated-manifest", "no-manifest", "missing-file", "truncated-file", "changed-bytes",
+        "changed-bytes-same-mtime"])
 def test_a_damaged_entry_is_not_trusted_and_is_produced_again(tmp_path, caplog, damage, reason):
     entry = committed(tmp_path)
     damage(entry)
@@ -81,6 +84,37 @@ def test_a_damaged_entry_is_not_trusted_and_is_produced_again(tmp_path, caplog, 
     assert [r.levelno for r in caplog.records if "not cached" in r.getMessage()] == [logging.WARNING]
     result, reused = reuse_or_produce(entry, Result, lambda: produce_into(entry, value=8), outputs=["sub"])
     assert not reused and result.value == 8 and entry.problem() is None
+
+
+def overwrite_keeping_mtime(path: Path, data: bytes) -> None:
+    """New bytes of the same size with the old mtime put back: only the ctime, which the kernel sets, tells."""
+    st = path.stat()
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_files_unchanged_since_they_were_hashed_are_not_read_again(tmp_path, monkeypatch):
+    """Re-hashing a 16 GB checkpoint took ~16 s at every reuse (each row of the training bench, each step of a run
+    on an 8B model): a file whose size, mtime, ctime, inode and device are those it had when it was hashed against
+    this manifest is trusted without reading it; any write, a moved cache or a new manifest hashes it again."""
+    import finetune_flows.store.entries as entries
+
+    entry = committed(tmp_path)
+    reads: list[str] = []
+    real = entries.file_digest
+    monkeypatch.setattr(entries, "file_digest", lambda p: reads.append(p.name) or real(p))
+    assert entry.load(Result).value == 7 and reads == []  # commit hashed them, and recorded as what
+    os.utime(entry.path / "sub" / "weights.bin")  # a touch: same bytes, new mtime and ctime
+    assert entry.load(Result).value == 7 and reads == ["weights.bin"]
+    assert entry.load(Result).value == 7 and reads == ["weights.bin"]  # recorded again after that hash
+    shutil.copytree(tmp_path / "cache", tmp_path / "copy", copy_function=shutil.copy2)  # mtimes kept, not inodes
+    copy = Entry(tmp_path / "copy", "things", "k1")
+    reads.clear()
+    assert copy.load(Result).value == 7 and sorted(reads) == ["result.json", "weights.bin"]
+    entry.manifest_path.write_text(entry.manifest_path.read_text().replace('"value": 7', '"value": 9'))
+    reads.clear()
+    assert entry.load(Result).value == 9 and sorted(reads) == ["result.json", "weights.bin"]
 
 
 def test_a_step_that_wrote_nothing_is_not_committed(tmp_path):

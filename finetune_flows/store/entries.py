@@ -4,8 +4,10 @@ An entry is a directory `<cache root>/<kind>/<key>` (the key is a fingerprint of
 output). Its `manifest.json`, written last and atomically, lists each output file's size and sha256 and holds the
 step's result as pydantic JSON; a record (a machine probe, a measurement) is an entry whose manifest holds it whole,
 with no files beside it. On reuse the manifest is read and every file re-hashed before the entry is
-trusted; a missing, truncated or mismatching manifest means "not cached" (the log says why) and the step
-produces the entry again. Results come back through `Model.model_validate_json`: nothing is ever unpickled.
+trusted, unless the file's size, mtime, ctime, inode and device are those recorded when it was last hashed against
+this very manifest (`<cache root>/.verified/<kind>--<key>.json`): any write through the file system changes its
+ctime, which no user call can set back, and re-hashing a 16 GB checkpoint costs ~16 s at every reuse. A missing,
+truncated or mismatching manifest means "not cached" (the log says why) and the step produces the entry again. Results come back through `Model.model_validate_json`: nothing is ever unpickled.
 
 One writer per entry: an exclusive `fcntl.flock` on `<cache root>/.locks/<kind>--<key>.lock`, held while the
 entry is produced. The kernel releases it when the holder dies, so a crash never leaves a stale lock (on NFS this
@@ -36,6 +38,7 @@ from finetune_flows.logs import run_logger
 
 MANIFEST = "manifest.json"
 LOCKS = ".locks"
+VERIFIED = ".verified"
 FORMAT = 1
 ENTRY_PLACEHOLDER = "@entry"  # stored results name their own files relative to the entry, wherever it lives
 LOCK_POLL_SECONDS = 0.5
@@ -75,6 +78,20 @@ def file_digest(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": h.hexdigest()}
 
 
+def file_identity(path: Path) -> list[int]:
+    """What changes whenever a file's bytes may have: size, mtime, ctime (set by the kernel on every write and on
+    any change of the mtime), inode and device."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def hashed(path: Path) -> tuple[dict[str, Any], list[int] | None]:
+    """The file's digest, and its identity if nothing changed it while it was read (else None)."""
+    before = file_identity(path)
+    digest = file_digest(path)
+    return digest, before if file_identity(path) == before else None
+
+
 def _relocate(value: Any, old: str, new: str) -> Any:
     """Rewrite path strings under `old` to be under `new` (recursively through lists and dicts)."""
     if isinstance(value, str) and (value == old or value.startswith(old + "/")):
@@ -95,6 +112,7 @@ class Entry:
         self.path = self.root / kind / key
         self.manifest_path = self.path / MANIFEST
         self.lock_path = self.root / LOCKS / f"{kind}--{key}.lock"
+        self.verified_path = self.root / VERIFIED / f"{kind}--{key}.json"
 
     @property
     def label(self) -> str:
@@ -107,21 +125,51 @@ class Entry:
         if not self.manifest_path.is_file():
             return "no entry yet" if not self.path.exists() else "no manifest (an earlier attempt did not finish)"
         try:
-            manifest = json.loads(self.manifest_path.read_text())
+            text = self.manifest_path.read_text()
+            manifest = json.loads(text)
             files = manifest["files"]
             if manifest.get("format") != FORMAT or not isinstance(files, dict):
                 return f"manifest format {manifest.get('format')!r} is not {FORMAT}"
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return f"manifest unreadable or truncated ({type(exc).__name__}: {exc})"
+        known = self._verified(text)
+        seen: dict[str, list[int]] = {}
         for rel, want in files.items():
             p = self.path / rel
             if not p.is_file():
                 return f"{rel} is missing"
             if p.stat().st_size != want.get("size"):
                 return f"{rel} has {p.stat().st_size} bytes, the manifest says {want.get('size')}"
-            if file_digest(p)["sha256"] != want.get("sha256"):
+            if known.get(rel) is not None and known[rel] == file_identity(p):
+                seen[rel] = known[rel]
+                continue
+            digest, identity = hashed(p)
+            if digest["sha256"] != want.get("sha256"):
                 return f"{rel} does not match its sha256 in the manifest"
+            if identity is not None:
+                seen[rel] = identity
+        if seen != known:
+            self._record_verified(text, seen)
         return None
+
+    def _verified(self, manifest_text: str) -> dict[str, list[int]]:
+        """The identities of this manifest's files when they were last hashed and matched it ({} if none)."""
+        try:
+            record = json.loads(self.verified_path.read_text())
+            if record.get("manifest") == hashlib.sha256(manifest_text.encode()).hexdigest():
+                return {rel: v for rel, v in record["files"].items() if isinstance(v, list)}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        return {}
+
+    def _record_verified(self, manifest_text: str, files: dict[str, list[int]]) -> None:
+        """Remember which files matched this manifest, as they were (a cache of the check: readers that race write
+        the same facts, each file whole; losing it only costs the next reader a re-hash)."""
+        record = {"manifest": hashlib.sha256(manifest_text.encode()).hexdigest(), "files": files}
+        try:
+            write_atomic(self.verified_path, json.dumps(record))
+        except OSError:
+            pass
 
     def load(self, model: type[M], quiet: bool = False) -> M | None:
         """The verified result, or None (logging why the entry is not used, unless quiet)."""
@@ -163,6 +211,7 @@ class Entry:
         """Hash the outputs (files, or directories of files, relative to the entry; none for a record) and write the
         manifest last."""
         files: dict[str, Any] = {}
+        identities: dict[str, list[int]] = {}
         for rel in outputs:
             p = self.path / rel
             if p.is_dir():
@@ -172,14 +221,19 @@ class Entry:
             else:
                 raise StoreError(f"{self.label}: the step finished without writing {rel}")
             for f in found:
-                files[str(f.relative_to(self.path))] = file_digest(f)
+                name = str(f.relative_to(self.path))
+                files[name], identity = hashed(f)
+                if identity is not None:
+                    identities[name] = identity
         if outputs and not files:
             raise StoreError(f"{self.label}: the step produced no files")
         stored = _relocate(result.model_dump(mode="json"), str(self.path), ENTRY_PLACEHOLDER)
         manifest = {"format": FORMAT, "kind": self.kind, "key": self.key,
                     "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "files": files, "result": stored}
-        write_atomic(self.manifest_path, json.dumps(manifest, indent=1))
+        text = json.dumps(manifest, indent=1)
+        write_atomic(self.manifest_path, text)
+        self._record_verified(text, identities)
 
     def invalidate(self, keep: Sequence[str] = ()) -> None:
         """Remove the manifest first (so nothing half-rewritten is ever trusted), then everything not in `keep`."""
