@@ -163,13 +163,22 @@ class Entry:
         return {}
 
     def _record_verified(self, manifest_text: str, files: dict[str, list[int]]) -> None:
-        """Remember which files matched this manifest, as they were (a cache of the check: readers that race write
-        the same facts, each file whole; losing it only costs the next reader a re-hash)."""
+        """Remember which files matched this manifest, as they were: one writer at a time, under the record's own
+        lock taken without waiting (a reader that finds it held leaves the writing to the holder; a record not
+        written only costs the next reader a re-hash)."""
         record = {"manifest": hashlib.sha256(manifest_text.encode()).hexdigest(), "files": files}
         try:
-            write_atomic(self.verified_path, json.dumps(record))
+            self.verified_path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.verified_path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return
+        try:
+            if _try_lock(fd):
+                write_atomic(self.verified_path, json.dumps(record))
         except OSError:
             pass
+        finally:
+            os.close(fd)
 
     def load(self, model: type[M], quiet: bool = False) -> M | None:
         """The verified result, or None (logging why the entry is not used, unless quiet)."""
