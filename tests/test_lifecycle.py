@@ -24,7 +24,7 @@ from finetune_flows.runtime import forkserver
 from finetune_flows.errors import UserInputError, WorkerFailed, WorkerOOM
 from finetune_flows.runtime.gpus import GpuInfo, GpuSelection
 from finetune_flows.runtime.launcher import (
-    COMPILE_CACHES, compile_caches, python_module, run_worker, torchrun_module, worker_env, write_job,
+    COMPILE_CACHES, WorkerOutput, compile_caches, python_module, run_worker, torchrun_module, worker_env, write_job,
 )
 from finetune_flows.runtime.processes import (
     ProcessId, alive, ancestors, descendants, parent_of, read_record, remove_stale_records, start_time, tree,
@@ -286,6 +286,33 @@ def test_processes_a_finished_worker_left_behind_are_stopped_and_named(tmp_path,
     assert left is not None and not left.is_running()
     assert (f"the train worker exited (code 0) leaving processes behind: {left.pid} (" in caplog.text
             and "import time; time.sleep(600)); SIGTERM now, SIGKILL after 5 s" in caplog.text)
+
+
+def test_the_last_lines_of_a_stopped_worker_reach_its_log_though_the_reader_is_behind(tmp_path):
+    """A stopped rank's "received SIGTERM: saving a checkpoint" was missing from train.log on a loaded host: the
+    worker was gone, the non-blocking drain found nothing queued yet, and the log was closed while the reader
+    thread still had the line to read. finish() handles the output up to its end, for at most its timeout."""
+    def behind():
+        time.sleep(0.5)
+        yield "received SIGTERM: saving a checkpoint\n"
+
+    output = WorkerOutput("train", tmp_path / "train.log", logging.getLogger("test"), None)
+    output.start(behind())
+    output.drain()  # all a stop did before
+    output.finish(timeout=5)
+    output.close()
+    assert (tmp_path / "train.log").read_text() == "received SIGTERM: saving a checkpoint\n"
+
+    def never_ends():  # a pipe some process outside the worker still holds
+        time.sleep(60)
+        yield ""
+
+    held = WorkerOutput("train", tmp_path / "held.log", logging.getLogger("test"), None)
+    held.start(never_ends())
+    started = time.monotonic()
+    held.finish(timeout=0.5)
+    assert time.monotonic() - started < 5
+    held.close()
 
 
 @pytest.mark.parametrize("launch", ["fresh", "forked"])

@@ -120,6 +120,7 @@ class WorkerOutput:
         self.tail: deque[str] = deque(maxlen=40)
         self.failures: list[dict[str, Any]] = []
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self.ended = False  # the reader reached the end of the output: every process holding the pipe is gone
         self.log = self._open(log_path)
 
     def _open(self, path: Path):
@@ -151,6 +152,7 @@ class WorkerOutput:
                     return
                 line = ""
             if line is None:
+                self.ended = True
                 return
             if line:
                 self.handle(line, live=True)
@@ -165,7 +167,24 @@ class WorkerOutput:
                 line = self.lines.get_nowait()
             except queue.Empty:
                 return
-            if line is not None:
+            if line is None:
+                self.ended = True
+            else:
+                self.handle(line, live=False)
+
+    def finish(self, timeout: float) -> None:
+        """Handle the rest of the output up to its end, waiting at most `timeout` s for it: once the worker is gone
+        the reader thread may still be behind with the last lines in the pipe (a rank's "received SIGTERM: saving a
+        checkpoint" was lost that way)."""
+        deadline = time.monotonic() + timeout
+        while not self.ended:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return
+            if line is None:
+                self.ended = True
+            else:
                 self.handle(line, live=False)
 
     def handle(self, line: str, live: bool) -> None:
@@ -268,6 +287,7 @@ def run_worker(
         rc = proc.wait()
     finally:
         stop_worker(proc, members, stop_grace, output, logger)
+        output.finish(timeout=5.0)
         output.close()
         record.unlink(missing_ok=True)
     _raise_failure(step, rc, workdir, output)
