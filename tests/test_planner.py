@@ -287,8 +287,10 @@ def test_cuda_graphs_true_plans_the_micro_batches_around_their_pool():
     ("train.compile=auto", dict(compile_deferred=True),
      "the layers compile mid-run (train.compile=auto; true compiles them before the first step)"),
     ("train.compile=false", dict(compile_layers=False), "the decoder layers are not compiled"),
-    ("train.dequantize_base=false", dict(dequantize=False), "the base stays 4-bit (measured over the dequantized base)"),
-    ("train.gradient_checkpointing=true", dict(checkpointing=True), "activation checkpointing is on (measured without it)"),
+    ("train.dequantize_base=false", dict(dequantize=False),
+     "the base stays 4-bit (measured over the dequantized base)"),
+    ("train.gradient_checkpointing=true", dict(checkpointing=True),
+     "activation checkpointing is on (measured without it)"),
     ("train.packing=false", dict(packing=False), "the rows are not packed"),
 ])
 def test_cuda_graphs_auto_stays_off_outside_what_was_measured(case, kw, why_not):

@@ -6,8 +6,9 @@ step's result as pydantic JSON; a record (a machine probe, a measurement) is an 
 with no files beside it. On reuse the manifest is read and every file re-hashed before the entry is
 trusted, unless the file's size, mtime, ctime, inode and device are those recorded when it was last hashed against
 this very manifest (`<cache root>/.verified/<kind>--<key>.json`): any write through the file system changes its
-ctime, which no user call can set back, and re-hashing a 16 GB checkpoint costs ~16 s at every reuse. A missing,
-truncated or mismatching manifest means "not cached" (the log says why) and the step produces the entry again. Results come back through `Model.model_validate_json`: nothing is ever unpickled.
+ctime, which no user call can set back, and re-hashing a large checkpoint at every reuse costs seconds per step.
+A missing, truncated or mismatching manifest means "not cached" (the log says why) and the step produces the entry
+again. Results come back through `Model.model_validate_json`: nothing is ever unpickled.
 
 One writer per entry: an exclusive `fcntl.flock` on `<cache root>/.locks/<kind>--<key>.lock`, held while the
 entry is produced. The kernel releases it when the holder dies, so a crash never leaves a stale lock (on NFS this
