@@ -79,14 +79,18 @@ def _exit_after(seconds: float, signum: int, why: str) -> None:
 
 
 def _watch_signals(read_fd: int) -> None:
-    """The deadline starts when the signal arrives, not when our handler runs: during a flow run Prefect's own
-    SIGTERM handler raises first, and it hands the signal back to ours only after it has reported the crash (which,
-    with the API server gone, it retried for a minute). The interpreter's C-level handler writes every signal's
-    number to the wakeup fd, whichever Python handler is installed."""
+    """Record the stop and start its deadline when the signal arrives, whichever Python handler runs for it. During
+    a flow run Prefect's own SIGTERM handler raises first and hands the signal back to ours only after it has
+    reported the crash (which, with the API server gone, it retried for a minute). Its exception is lost when it
+    lands in an object's finalizer (a garbage-collected asyncio transport: "Exception ignored in ... __del__"), and
+    then ours never runs: the run trained to the end and exited 0 after a SIGTERM. The recorded stop is raised where
+    the run waits (raise_if_stopped). The interpreter's C-level handler writes every signal's number to the wakeup
+    fd, whichever Python handler is installed."""
     with os.fdopen(read_fd, "rb", buffering=0) as pipe:
         while data := pipe.read(64):
             for signum in data:
                 if signum in (signal.SIGTERM, signal.SIGINT):
+                    request_stop(signum)
                     _arm_stop_deadline(signum)
 
 

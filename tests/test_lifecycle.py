@@ -439,6 +439,42 @@ def test_the_stop_vote_of_one_rank_makes_no_collective(tmp_path, monkeypatch):
     assert [p.communicate(timeout=120)[0].strip() for p in ranks] == ["True", "True"]
 
 
+LOST_IN_A_FINALIZER = """
+import os, signal, time
+from prefect.utilities.engine import capture_sigterm
+from finetune_flows.cli import stop_on_signals
+from finetune_flows.runtime.lifecycle import Stopped, raise_if_stopped
+
+class Transport:  # an object whose finalizer runs when the signal's handler does
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10**6):  # Prefect's handler raises in here, and the interpreter drops its exception
+            pass
+
+with stop_on_signals(), capture_sigterm():  # as during a flow run: Prefect's SIGTERM handler over the CLI's
+    Transport()
+    print("the finalizer's exception was lost", flush=True)
+    try:
+        for _ in range(100):
+            raise_if_stopped()
+            time.sleep(0.1)
+        print("went on")
+    except Stopped as exc:
+        print("stopped by", exc)
+"""
+
+
+def test_a_sigterm_whose_prefect_exception_was_lost_in_a_finalizer_still_stops_the_cli():
+    """During a flow run Prefect's SIGTERM handler raises TerminationSignal instead of the CLI's handler. Raised
+    inside a finalizer, that exception is lost and the CLI's handler never ran: a SIGTERM'd run trained to the end
+    and exited 0 (seen in the fault suite under load). The CLI records every stop signal as it arrives."""
+    done = subprocess.run([sys.executable, "-c", LOST_IN_A_FINALIZER], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert "TerminationSignal" in done.stderr and "Exception ignored" in done.stderr, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["the finalizer's exception was lost", "stopped by SIGTERM"], (
+        done.stdout + done.stderr[-2000:])
+
+
 def test_a_stop_whose_exception_was_lost_still_stops_the_worker_and_the_next_step(tmp_path, cpu_env, monkeypatch):
     """The CLI's signal handler raises Stopped in the main thread wherever it is. Landing in an object's finalizer
     (a garbage-collected asyncio transport: "Exception ignored in ... __del__"), that exception is lost and the run
