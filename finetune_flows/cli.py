@@ -35,7 +35,7 @@ from typing import Callable, Iterator, TypeVar
 
 from finetune_flows.config.schema import HardwareConfig
 from finetune_flows.errors import NotRetryable, UserInputError
-from finetune_flows.runtime.lifecycle import Stopped, preexec_die_with, request_stop
+from finetune_flows.runtime.lifecycle import Stopped, preexec_die_with, request_stop, watch_stop_signals
 
 T = TypeVar("T")
 C = TypeVar("C")
@@ -78,34 +78,19 @@ def _exit_after(seconds: float, signum: int, why: str) -> None:
     threading.Thread(target=end, name="stop-deadline", daemon=True).start()
 
 
-def _watch_signals(read_fd: int) -> None:
-    """Record the stop and start its deadline when the signal arrives, whichever Python handler runs for it. During
-    a flow run Prefect's own SIGTERM handler raises first and hands the signal back to ours only after it has
-    reported the crash (which, with the API server gone, it retried for a minute). Its exception is lost when it
-    lands in an object's finalizer (a garbage-collected asyncio transport: "Exception ignored in ... __del__"), and
-    then ours never runs: the run trained to the end and exited 0 after a SIGTERM. The recorded stop is raised where
-    the run waits (raise_if_stopped). The interpreter's C-level handler writes every signal's number to the wakeup
-    fd, whichever Python handler is installed."""
-    with os.fdopen(read_fd, "rb", buffering=0) as pipe:
-        while data := pipe.read(64):
-            for signum in data:
-                if signum in (signal.SIGTERM, signal.SIGINT):
-                    request_stop(signum)
-                    _arm_stop_deadline(signum)
-
-
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT raise Stopped. Each is also recorded, and its deadline started, when it arrives, not when
+    our handler runs (watch_stop_signals): during a flow run Prefect's own SIGTERM handler raises first and hands the
+    signal back to ours only after it has reported the crash (which, with the API server gone, it retried for a
+    minute); and an exception raised inside an object's finalizer is lost, Prefect's or ours (a garbage-collected
+    asyncio transport: "Exception ignored in ... __del__"), after which a SIGTERM'd run trained to the end and
+    exited 0. The recorded stop is raised again where the run waits (raise_if_stopped)."""
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    threading.Thread(target=_watch_signals, args=(read_fd,), name="stop-signals", daemon=True).start()
     try:
-        yield
+        with watch_stop_signals(on_signal=_arm_stop_deadline):
+            yield
     finally:
-        signal.set_wakeup_fd(previous_wakeup)
-        os.close(write_fd)  # the watcher reads the end of its pipe and returns
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -440,10 +440,11 @@ def test_the_stop_vote_of_one_rank_makes_no_collective(tmp_path, monkeypatch):
 
 
 LOST_IN_A_FINALIZER = """
-import os, signal, time
+import os, signal, sys, time
+from prefect.exceptions import TerminationSignal
 from prefect.utilities.engine import capture_sigterm
 from finetune_flows.cli import stop_on_signals
-from finetune_flows.runtime.lifecycle import Stopped, raise_if_stopped
+from finetune_flows.runtime.lifecycle import Stopped, raise_if_stopped, watch_stop_signals
 
 class Transport:  # an object whose finalizer runs when the signal's handler does
     def __del__(self):
@@ -451,28 +452,40 @@ class Transport:  # an object whose finalizer runs when the signal's handler doe
         for _ in range(10**6):  # Prefect's handler raises in here, and the interpreter drops its exception
             pass
 
-with stop_on_signals(), capture_sigterm():  # as during a flow run: Prefect's SIGTERM handler over the CLI's
-    Transport()
-    print("the finalizer's exception was lost", flush=True)
-    try:
-        for _ in range(100):
-            raise_if_stopped()
-            time.sleep(0.1)
-        print("went on")
-    except Stopped as exc:
-        print("stopped by", exc)
+def wait():  # as the wait on a worker does
+    for _ in range(100):
+        raise_if_stopped()
+        time.sleep(0.1)
+    print("went on")
+
+try:
+    # the CLI (Prefect's SIGTERM handler over its own, as during a flow run), or a deployment run's process
+    with (stop_on_signals() if sys.argv[1] == "cli" else watch_stop_signals()), capture_sigterm():
+        Transport()
+        print("the finalizer's exception was lost", flush=True)
+        wait()
+except Stopped as exc:
+    print("stopped by", exc)
+except TerminationSignal as exc:
+    print("terminated by", signal.Signals(exc.signal).name)
 """
 
 
-def test_a_sigterm_whose_prefect_exception_was_lost_in_a_finalizer_still_stops_the_cli():
-    """During a flow run Prefect's SIGTERM handler raises TerminationSignal instead of the CLI's handler. Raised
-    inside a finalizer, that exception is lost and the CLI's handler never ran: a SIGTERM'd run trained to the end
-    and exited 0 (seen in the fault suite under load). The CLI records every stop signal as it arrives."""
-    done = subprocess.run([sys.executable, "-c", LOST_IN_A_FINALIZER], capture_output=True, text=True, timeout=120,
-                          env=child_env())
+@pytest.mark.parametrize("process, outcome, code", [("cli", ["stopped by SIGTERM"], 0),
+                                                    ("deployment", [], -signal.SIGTERM)])
+def test_a_sigterm_whose_prefect_exception_was_lost_in_a_finalizer_still_stops_the_run(process, outcome, code):
+    """During a flow run Prefect's SIGTERM handler raises TerminationSignal. Raised inside a finalizer, that exception
+    is lost: a SIGTERM'd CLI run trained to the end and exited 0 (seen in the fault suite under load), and a
+    deployment run's process went on. Every stop signal is recorded as it arrives, and the wait raises again what
+    the handler raises, so the stop takes Prefect's own way: the CLI gets its Stopped back; a deployment run's
+    process, with no cancellation intent from a runner here, is ended by the signal as Prefect ends it (with one,
+    Prefect marks the run Cancelled instead)."""
+    done = subprocess.run([sys.executable, "-c", LOST_IN_A_FINALIZER, process], capture_output=True, text=True,
+                          timeout=120, env=child_env())
     assert "TerminationSignal" in done.stderr and "Exception ignored" in done.stderr, done.stderr[-2000:]
-    assert done.stdout.splitlines() == ["the finalizer's exception was lost", "stopped by SIGTERM"], (
+    assert done.stdout.splitlines() == ["the finalizer's exception was lost", *outcome], (
         done.stdout + done.stderr[-2000:])
+    assert done.returncode == code
 
 
 def test_a_stop_whose_exception_was_lost_still_stops_the_worker_and_the_next_step(tmp_path, cpu_env, monkeypatch):

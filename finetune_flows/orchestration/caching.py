@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from finetune_flows.orchestration.steps import Step
-from finetune_flows.runtime.lifecycle import raise_if_stopped
+from finetune_flows.runtime.lifecycle import raise_if_stopped, watch_stop_signals
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,13 @@ def run_step(step: Step, *args: Any, **kwargs: Any) -> tuple[Any, StepRun]:
 
     Steps reuse verified store entries (finetune_flows/store/entries.py) and then finish in a Completed state named
     `Cached`, as the Prefect UI shows them; this is the one cache layer, so there is nothing to reconcile here.
+    While it runs, every SIGTERM/SIGINT is recorded as it arrives, so that one whose exception was lost (raised
+    inside an object's finalizer) is raised again where the step waits on its worker: Prefect's runner cancels a
+    deployment run with SIGTERM.
     """
     raise_if_stopped()  # a stop whose exception was lost does not start the next step
     started = time.perf_counter()
-    state = step(*args, return_state=True, **kwargs)
+    with watch_stop_signals():  # a deployment run's process (the CLI watches already): see raise_if_stopped
+        state = step(*args, return_state=True, **kwargs)
     result = state.result()
     return result, StepRun(state.name == "Cached", round(time.perf_counter() - started, 2))

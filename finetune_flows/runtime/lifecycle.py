@@ -51,18 +51,62 @@ _stop_requested: int | None = None  # the signal that asked this process to stop
 
 
 def request_stop(signum: int) -> None:
-    """Record that a signal asked the run to stop (the CLI's handler, before it raises Stopped)."""
+    """Record that a signal asked the run to stop (by watch_stop_signals, as the signal arrives)."""
     global _stop_requested
     if _stop_requested is None:
         _stop_requested = signum
 
 
 def raise_if_stopped() -> None:
-    """Raise Stopped again where a stop was requested. A signal handler's exception is lost when it lands in an
-    object's finalizer (Python prints "Exception ignored in ... __del__"), and the run would go on: the places that
-    wait on a worker, and each step's start, call this."""
-    if _stop_requested is not None:
-        raise Stopped(_stop_requested)
+    """Raise again, where a stop was recorded, what the signal's handler raised. A handler's exception is lost when
+    it lands in an object's finalizer (Python prints "Exception ignored in ... __del__"), and the run would go on:
+    the places that wait on a worker, and each step's start, call this. In the main thread the installed handler
+    runs again, so the stop takes the way the signal itself would have: Prefect's SIGTERM handler raises its
+    TerminationSignal, which a deployment run's cancellation needs to end Cancelled; elsewhere this raises
+    Stopped."""
+    if _stop_requested is None:
+        return
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(_stop_requested)
+        if callable(handler) and handler is not signal.default_int_handler:
+            handler(_stop_requested, None)
+    raise Stopped(_stop_requested)
+
+
+@contextmanager
+def watch_stop_signals(on_signal: Callable[[int], None] | None = None) -> Iterator[bool]:
+    """Within this block, record every SIGTERM and SIGINT as it arrives (request_stop, then on_signal), whichever
+    Python handler runs for it: the interpreter's C-level handler writes each signal's number to the wakeup fd, read
+    here by a thread. Yields whether it watches: only in the main thread, and not where a wakeup fd is already set
+    (an outer block of this, or an asyncio loop's signal handling, which keeps its own)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    if previous != -1:
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+        yield False
+        return
+
+    def watch() -> None:
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            while data := pipe.read(64):
+                for signum in data:
+                    if signum in (signal.SIGTERM, signal.SIGINT):
+                        request_stop(signum)
+                        if on_signal is not None:
+                            on_signal(signum)
+
+    threading.Thread(target=watch, name="stop-signals", daemon=True).start()
+    try:
+        yield True
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(write_fd)  # the watcher reads the end of its pipe and returns
 
 
 _libc = ctypes.CDLL(None, use_errno=True)  # resolved now: preexec_fn runs between fork and exec
