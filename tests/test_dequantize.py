@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import REPO
-from eval_support import tiny_quantized
+from eval_support import tiny_quantized, trained_once
 from finetune_flows.models.dequantize import DequantizedCopy, dequantize_linear4bit, dequantized_copy
 from finetune_flows.store.entries import MANIFEST, Entry
 
@@ -205,34 +205,9 @@ def test_training_on_the_dequantized_base_computes_the_qlora_loss_and_gradients(
     loss and gradients as on the 4-bit model (fp32 here; only the matmul kernels differ)."""
     import torch
 
-    from finetune_flows.config.schema import FinetuneConfig
-    from finetune_flows.config.plan import Plan
-    from finetune_flows.training.planner import TrainingPlan
-    from finetune_flows.training.worker import build_model
-
     base = tiny_quantized(shared_cache / "dequantize", "float32")
-    cfg = FinetuneConfig.model_validate({"lora": {"dropout": 0.0}})
-    plan = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
-                eval_attn="sdpa", eval_dtype="float32")
-    ids = torch.randint(3, 1000, (2, 20), generator=torch.Generator().manual_seed(0))
-
-    def loss_and_grads(dequantize: bool):
-        tplan = TrainingPlan(packing=False, micro_batch_tokens=0, micro_batch_rows=2, gradient_accumulation_steps=1,
-                             gradient_checkpointing=False, tokens_per_step=40.0, predicted_peak_gib=0.0,
-                             budget_gib=None, reasons=[], dequantize_base=dequantize)
-        torch.manual_seed(1)  # the same LoRA initialisation
-        model = build_model(cfg, plan, tplan, base.path, True, {"": "cpu"}, upcast=False)
-        for _, module in model.named_modules():  # a non-zero B, so the gradients reach A too
-            if hasattr(module, "lora_B"):
-                torch.nn.init.normal_(module.lora_B["default"].weight, std=0.02,
-                                      generator=torch.Generator().manual_seed(2))
-        model.train()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return model, loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-
-    plain, loss, grads = loss_and_grads(True)
-    four_bit, loss4, grads4 = loss_and_grads(False)
+    plain, loss, grads = trained_once(base, dequantize_base=True)
+    four_bit, loss4, grads4 = trained_once(base, dequantize_base=False)
     assert not any(type(m).__name__ == "Linear4bit" for m in plain.modules())
     assert any(type(m).__name__ == "Linear4bit" for m in four_bit.modules())
     assert grads.keys() == grads4.keys() and len(grads) == 28  # A and B of 14 projections

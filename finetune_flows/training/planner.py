@@ -127,6 +127,7 @@ class TrainingPlan(BaseModel):
     compile_layers: bool = False  # torch.compile each decoder layer (fused elementwise, fewer launches)
     compile_deferred: bool = False  # ... only once the first steps show the run repays it (training/compiling.py)
     cuda_graphs: bool = False  # ... replayed as CUDA graphs, every micro-batch padded to micro_batch_tokens
+    fp8_base: bool = False  # the dequantized base's matmuls in FP8 (models/float8.py)
 
 
 def _linear_bytes_per_param(four_bit: bool, dtype_bytes: int) -> float:
@@ -226,6 +227,30 @@ def plan_training(shape: ModelShape, *, cuda_graphs: bool | str = False, ranks: 
     plan.reasons.append(f"CUDA graphs: each compiled layer's passes replayed, every micro-batch padded to "
                         f"{plan.micro_batch_tokens} tokens ({GRAPH_POOL / GIB:.0f} GiB planned for their pool)")
     return plan.model_copy(update={"cuda_graphs": True, "predicted_peak_gib": peak})
+
+
+FP8_CAPABILITY = (8, 9)  # the first NVIDIA GPUs with FP8 tensor cores (Ada; Hopper is 9.0)
+
+
+def with_fp8_base(plan: TrainingPlan, asked: bool, capabilities: list[tuple[int, int]],
+                  compute_dtype: str = "bfloat16") -> TrainingPlan:
+    """`plan` with the dequantized base's matmuls in FP8 where asked for (train.fp8_base) and possible: the base held
+    dequantized (so not under FSDP), and FP8 tensor cores on every selected GPU (`capabilities`; none: the CPU, where
+    it runs for tests) computing in bf16 (their row-wise scaled FP8 matmuls give bf16 only). The memory plan holds: two
+    FP8 copies of each weight take the bytes of one bf16 copy."""
+    if not asked:
+        return plan
+    old = next((c for c in capabilities if tuple(c) < FP8_CAPABILITY), None)
+    why_not = ("the base stays 4-bit (FP8 is made from the dequantized base)" if not plan.dequantize_base else
+               f"a GPU of compute capability {old[0]}.{old[1]} has no FP8 tensor cores (8.9+)" if old else
+               f"the compute dtype is {compute_dtype} (a GPU's row-wise scaled FP8 matmul gives bfloat16 only)"
+               if capabilities and compute_dtype != "bfloat16" else None)
+    if why_not:
+        plan.reasons.append(f"FP8 base off (train.fp8_base=true): {why_not}")
+        return plan
+    plan.reasons.append("the frozen base's matmuls in FP8 (e4m3 weights and activations, scaled per row and token; "
+                        "train.fp8_base=true)")
+    return plan.model_copy(update={"fp8_base": True})
 
 
 def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_row: float,

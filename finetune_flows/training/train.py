@@ -24,7 +24,9 @@ from finetune_flows.store.fingerprint import combine, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.runtime.launcher import compile_caches, gpu_models, run_worker, training_env, write_job
 from finetune_flows.logs import run_logger
-from finetune_flows.training.planner import ModelShape, TrainingPlan, plan_training, planning_bytes
+from finetune_flows.training.planner import (
+    ModelShape, TrainingPlan, plan_training, planning_bytes, with_fp8_base,
+)
 from finetune_flows.config.preflight import check_lora_targets
 from finetune_flows.reporting.progress import ProgressReporter
 from finetune_flows.models.quantize import QuantizedModel
@@ -111,7 +113,7 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     free = gpus.planning_mib() if plan.device == "cuda" else None
     share = planning_bytes(free, budget)[1]
     try:
-        return plan_training(
+        tplan = plan_training(
             ModelShape.from_checkpoint(base.path), free_mib=free, max_row=max(lengths),
             mean_row=sum(lengths) / len(lengths), rows_per_step=t.per_device_batch_size * t.gradient_accumulation_steps,
             packing=t.packing, micro_batch_tokens=t.micro_batch_tokens, checkpointing=t.gradient_checkpointing,
@@ -124,6 +126,8 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             shards=world_size(cfg, plan) if plan.strategy == "fsdp" else 1, budget_gib=budget)
     except ValueError as exc:
         raise UserInputError(f"training plan{f' (within {share})' if share else ''}: {exc}") from None
+    return with_fp8_base(tplan, t.fp8_base, [g.capability for g in gpus.gpus] if plan.device == "cuda" else [],
+                         plan.compute_dtype)
 
 
 def publish_training_plan(tplan: TrainingPlan, cached: bool = False) -> None:

@@ -34,6 +34,7 @@ from finetune_flows.models.quantize import torch_dtype
 from finetune_flows.training import sharding
 from finetune_flows.training.lean import lean_trainer, train_mode_once
 from finetune_flows.models.dequantize import dequantize_model
+from finetune_flows.models.float8 import float8_base
 from finetune_flows.models.attention import packed_kernel_for, use_packed_attention
 from finetune_flows.data.packing import FixedShape, PackedCollator, PackedDataset, PadCollator, build_schedule
 from finetune_flows.training.clock import StepClock, device_events, steady_state, steady_text
@@ -120,6 +121,8 @@ def build_model(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, base_path:
         target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM",
     ))
     model.config.use_cache = False
+    if tplan.fp8_base:
+        print(f"FP8 base: {float8_base(model)} frozen linear layers in float8_e4m3fn", flush=True)
     if tplan.compile_layers and not tplan.compile_deferred:
         compile_decoder_layers(model, cuda_graphs=tplan.cuda_graphs)
     return model
