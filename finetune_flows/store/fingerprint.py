@@ -38,6 +38,7 @@ STEP_CODE: dict[str, tuple[str, ...]] = {
     "quantize-base-model": ("models/quantize", "models/sources"),
     "train-adapter": ("training/train", "training/worker", "data/packing", "models/attention", "training/planner",
                       "training/distributed", "training/sharding", "training/compiling", "models/dequantize",
+                      "models/float8",
                       "config/plan", "training/lean"),
     "evaluate-adapter": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
                          "evaluation/static_engine", "models/dequantize", "data/packing", "models/kernels"),
