@@ -46,7 +46,7 @@ _stop_grace: float | None = None  # the run's hardware.stop_grace_seconds, once 
 
 
 def _raise_stopped(signum: int, frame) -> None:
-    request_stop(signum)  # raised again where the run waits, should this exception land in a finalizer and be lost
+    request_stop(signum)  # also where no watcher holds the wakeup fd (watch_stop_signals stood aside)
     _arm_stop_deadline(signum)
     raise Stopped(signum)
 
@@ -83,9 +83,8 @@ def stop_on_signals() -> Iterator[None]:
     """SIGTERM and SIGINT raise Stopped. Each is also recorded, and its deadline started, when it arrives, not when
     our handler runs (watch_stop_signals): during a flow run Prefect's own SIGTERM handler raises first and hands the
     signal back to ours only after it has reported the crash (which, with the API server gone, it retried for a
-    minute); and an exception raised inside an object's finalizer is lost, Prefect's or ours (a garbage-collected
-    asyncio transport: "Exception ignored in ... __del__"), after which a SIGTERM'd run trained to the end and
-    exited 0. The recorded stop is raised again where the run waits (raise_if_stopped)."""
+    minute); and an exception raised inside an object's finalizer is lost, Prefect's or ours ("Exception ignored in
+    ... __del__"). The recorded stop is raised again where the run waits (raise_if_stopped)."""
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         with watch_stop_signals(on_signal=_arm_stop_deadline):
