@@ -175,14 +175,21 @@ def test_a_flow_run_on_an_fp8_base_trains_two_ranks_and_evaluates_its_adapter(pr
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_the_worker_compiles_its_decoder_layers_over_an_fp8_base(shared_cache, checkpointing):
     """build_model with compiled layers (dynamic shapes, as train.compile compiles them) over the FP8 base, also with
-    activation checkpointing (the 24 GiB plan's): two lengths train through one graph per layer, to the eager loss.
-    A float constant in the traced FP8 code once failed here: Dynamo lifts a module-level float into a graph input,
-    which the autograd Function's subgraph cannot take."""
+    activation checkpointing (the 24 GiB plan's): both layers and two lengths train through one compiled frame, to
+    the eager loss. A float constant in the traced FP8 code once failed here: Dynamo lifts a module-level float into a
+    graph input, which the autograd Function's subgraph cannot take. A class per FP8 layer once recompiled the frame
+    for each layer (Dynamo guards on the modules' types), and past its recompile limit left layers uncompiled."""
     import torch
 
+    from finetune_flows.training.compiling import compile_stats
+
     base = tiny_quantized(shared_cache / "dequantize", "float32")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     _, loss, grads = trained_once(base, lengths=(20, 33), dequantize_base=True, fp8_base=True, compile_layers=True,
                                   gradient_checkpointing=checkpointing)
+    stats = compile_stats()
+    assert stats["frames_compiled"] == 1 and stats["graph_breaks"] == 0, stats
     _, eager_loss, eager_grads = trained_once(base, lengths=(20, 33), dequantize_base=True, fp8_base=True)
     assert abs(loss - eager_loss) < 1e-4 * eager_loss and len(grads) == 28
     for name, g in grads.items():  # the compiled kernels round to FP8 in their own order

@@ -16,6 +16,8 @@ rounding costs.
 
 from __future__ import annotations
 
+import functools
+
 FP8_MAX = 448  # the largest float8_e4m3fn value (an int: Dynamo lifts a global float to a graph input)
 
 
@@ -35,7 +37,11 @@ def _matmul(a, a_scale, b_rows, b_scale, out_dtype):
     return torch._scaled_mm(a, b_rows.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
 
 
-def _function():
+@functools.cache
+def _classes():
+    """The autograd Function and the module class, made once: every FP8 layer must be of one class, else Dynamo's
+    guard on each compiled decoder layer's module types fails for the next layer and recompiles it, until its
+    recompile limit leaves the rest of the layers uncompiled (2x slower on an H100)."""
     import torch
 
     class Float8Matmul(torch.autograd.Function):
@@ -57,25 +63,9 @@ def _function():
             dx = _matmul(q, scale, weight_t, weight_t_scale, grad.dtype)
             return dx.reshape(*grad.shape[:-1], weight_t.shape[0]), None, None, None, None
 
-    return Float8Matmul
-
-
-_FLOAT8_MATMUL = None  # the autograd Function, made with the first layer: never while Dynamo traces a forward
-
-
-def float8_matmul(x, weight, weight_scale, weight_t, weight_t_scale):
-    return _FLOAT8_MATMUL.apply(x, weight, weight_scale, weight_t, weight_t_scale)
-
-
-def float8_linear(linear):
-    """A frozen nn.Linear's FP8 replacement (same in/out features and bias, no trainable parameter)."""
-    import torch
-
-    global _FLOAT8_MATMUL
-    if _FLOAT8_MATMUL is None:
-        _FLOAT8_MATMUL = _function()
-
     class Float8Linear(torch.nn.Module):
+        """A frozen nn.Linear's FP8 replacement (same in/out features and bias, no trainable parameter)."""
+
         def __init__(self, source: torch.nn.Linear):
             super().__init__()
             self.in_features, self.out_features = source.in_features, source.out_features
@@ -90,13 +80,18 @@ def float8_linear(linear):
                          if source.bias is not None else None)
 
         def forward(self, x):
-            y = float8_matmul(x, self.weight_fp8, self.weight_scale, self.weight_t_fp8, self.weight_t_scale)
+            y = Float8Matmul.apply(x, self.weight_fp8, self.weight_scale, self.weight_t_fp8, self.weight_t_scale)
             return y if self.bias is None else y + self.bias.to(y.dtype)
 
         def extra_repr(self) -> str:
             return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn"
 
-    return Float8Linear(linear)
+    return Float8Matmul, Float8Linear
+
+
+def float8_linear(linear):
+    """A frozen nn.Linear's FP8 replacement (same in/out features and bias, no trainable parameter)."""
+    return _classes()[1](linear)
 
 
 def float8_base(model) -> int:
@@ -115,7 +110,7 @@ def float8_base(model) -> int:
             replaced += 1
     # Each rank makes the same FP8 weights from the same base: DDP need not broadcast them at its start (and gloo
     # cannot carry float8). They stay buffers, which CUDA graphs treat as fixed inputs, never copied per replay.
-    frozen = [f"{name}.{buffer}" for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"
+    frozen = [f"{name}.{buffer}" for name, module in model.named_modules() if isinstance(module, _classes()[1])
               for buffer, _ in module.named_buffers(recurse=False)]
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
     return replaced
