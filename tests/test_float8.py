@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import child_env
+from conftest import REPO, child_env
 
 from eval_support import tiny_quantized, trained_once
 from finetune_flows.training.planner import TrainingPlan, with_fp8_base
@@ -194,3 +194,19 @@ def test_the_worker_compiles_its_decoder_layers_over_an_fp8_base(shared_cache, c
     assert abs(loss - eager_loss) < 1e-4 * eager_loss and len(grads) == 28
     for name, g in grads.items():  # the compiled kernels round to FP8 in their own order
         assert torch.isfinite(g).all() and relative_error(g, eager_grads[name]) < 0.05, name
+
+
+def test_the_fp8_layers_benchmark_compares_both_bases_on_the_same_weights(tmp_path):
+    """benchmarks/fp8_layers.py --smoke: both bases timed, their losses within FP8 rounding of each other but not
+    equal, every FP8-eligible layer converted, one compiled frame per base."""
+    import json
+
+    out = tmp_path / "fp8.json"
+    proc = subprocess.run([sys.executable, "benchmarks/fp8_layers.py", "--smoke", "--out", str(out)], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["fp8_layers"] == 14 and report["compile"]["frames_compiled"] == 2, report
+    assert report["dequantized"]["ms_per_step"] > 0 and report["fp8"]["ms_per_step"] > 0
+    assert 0 < report["fp8_loss_relative"] < 1e-3
+    assert 0 < report["fp8_grad_relative_error_median"] < 0.2
