@@ -1,6 +1,6 @@
 """The FP8 base (`train.fp8_base`) against the dequantized base, on a few decoder layers of a real shape.
 
-    python benchmarks/fp8_layers.py --shape qwen3-8b --layers 4          # on a GPU, about a minute
+    python benchmarks/fp8_layers.py --shape qwen3-8b --layers 8          # on a GPU
     python benchmarks/fp8_layers.py --smoke                               # tiny model on the CPU: the machinery
 
 A narrow measurement for deciding about FP8 where a full `train_speed.py` row costs minutes of generating an 8B
