@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.metadata
 import json
 import platform
 import statistics
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python benchmarks/fp8_layers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     **{name: importlib.metadata.version(name) for name in ("transformers", "peft")}},
         "shape": args.shape, "layers": args.layers, "tokens_per_step": tokens, "cuda_graphs": graphs,
         "fp8_layers": replaced, "compile": compile_stats(),
         **{name: {k: v for k, v in r.items() if k != "grads"} | {"tokens_per_s": round(tokens / r["ms_per_step"] * 1000)}
