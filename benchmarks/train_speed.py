@@ -183,6 +183,7 @@ class MemoryPoller:
         self.before: set[str] | None = None
         self.device_before: dict[int, int] = {}
         self.done = threading.Event()
+        self.lock = threading.Lock()  # the poller thread and a caller's own sample() update the same peaks
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
     @staticmethod
@@ -192,6 +193,10 @@ class MemoryPoller:
         return [[x.strip() for x in line.split(",")] for line in out.strip().splitlines() if line.strip()]
 
     def sample(self) -> None:
+        with self.lock:
+            self._sample()
+
+    def _sample(self) -> None:
         rows = self._query("gpu=index,uuid,memory.used")
         device = {int(index): int(used) for index, _, used in rows if int(index) in self.ids}
         gpus = {uuid: int(index) for index, uuid, _ in rows}
@@ -229,7 +234,10 @@ class MemoryPoller:
         return self
 
     def __exit__(self, *exc):
+        # Wait for the thread: a sample still running after the run would be counted against it, or the next one.
         self.done.set()
+        if self.thread.is_alive():
+            self.thread.join()
 
 
 def run_logged(argv: list[str], env: dict, log: Path, timeout: float) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -94,46 +95,51 @@ def test_memory_poller_counts_the_runs_own_processes_not_memory_held_before_it_s
     every run. The poller now sums only the processes that appeared on the run's GPUs after it started. A fake
     nvidia-smi stands in for the GPUs (there are none here): GPU 0 has the earlier process, GPU 1 someone else's."""
     bench = load_benchmark("train_speed")
+
+    def put(path: Path, text: str) -> None:  # whole, at once: the poller's thread may read or run it meanwhile
+        path.with_name(path.name + ".new").write_text(text)
+        path.with_name(path.name + ".new").chmod(0o755)
+        os.replace(path.with_name(path.name + ".new"), path)
+
     state = tmp_path / "apps"
-    state.write_text("100, /usr/bin/python3, GPU-a, 16380\n300, /usr/bin/python3, GPU-b, 9000\n")
+    put(state, "100, /usr/bin/python3, GPU-a, 16380\n300, /usr/bin/python3, GPU-b, 9000\n")
     fake = tmp_path / "bin" / "nvidia-smi"
     fake.parent.mkdir()
-    fake.write_text(f"""#!/bin/sh
+    put(fake, f"""#!/bin/sh
 case "$1" in
   --query-gpu=*) awk -F', ' '{{u[$3] += $4}} END {{printf "0, GPU-a, %d\\n1, GPU-b, %d\\n", u["GPU-a"], u["GPU-b"]}}' {state} ;;
   --query-compute-apps=*) cat {state} ;;
 esac
 """)
-    fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     with bench.MemoryPoller([0]) as mem:
-        state.write_text("100, /usr/bin/python3, GPU-a, 16380\n200, /usr/bin/python3, GPU-a, 73936\n"
-                         "201, /usr/bin/torchrun, GPU-a, 500\n300, /usr/bin/python3, GPU-b, 9000\n")
+        put(state, "100, /usr/bin/python3, GPU-a, 16380\n200, /usr/bin/python3, GPU-a, 73936\n"
+               "201, /usr/bin/torchrun, GPU-a, 500\n300, /usr/bin/python3, GPU-b, 9000\n")
         mem.sample()
-        state.write_text("100, /usr/bin/python3, GPU-a, 16380\n200, /usr/bin/python3, GPU-a, 40000\n")
+        put(state, "100, /usr/bin/python3, GPU-a, 16380\n200, /usr/bin/python3, GPU-a, 40000\n")
         mem.sample()
     assert mem.peak == 73936 + 500  # the run's two processes at their largest
     assert mem.device_peak == 16380 + 73936 + 500  # what nvidia-smi showed for GPU 0
     assert mem.processes == {"100 python3": 16380, "200 python3": 73936, "201 torchrun": 500}  # GPU 1's not here
 
     # Two GPUs: the busiest one's figure, not their sum (as the allocator's peak is the busiest rank's).
-    state.write_text("100, /usr/bin/python3, GPU-a, 16380\n")
+    put(state, "100, /usr/bin/python3, GPU-a, 16380\n")
     with bench.MemoryPoller([0, 1]) as both:
-        state.write_text("100, /usr/bin/python3, GPU-a, 16380\n200, /usr/bin/python3, GPU-a, 30000\n"
-                         "300, /usr/bin/python3, GPU-b, 31000\n")
+        put(state, "100, /usr/bin/python3, GPU-a, 16380\n200, /usr/bin/python3, GPU-a, 30000\n"
+                   "300, /usr/bin/python3, GPU-b, 31000\n")
         both.sample()
     assert (both.peak, both.device_peak) == (31000, 16380 + 30000)
 
     # A container where nvidia-smi lists no processes: the GPU's figure less what it held when the run began.
-    state.write_text("")
-    (tmp_path / "bin" / "nvidia-smi").write_text(f"""#!/bin/sh
+    put(state, "")
+    put(fake, f"""#!/bin/sh
 case "$1" in
   --query-gpu=*) cat {tmp_path / 'gpus'} ;;
 esac
 """)
-    (tmp_path / "gpus").write_text("0, GPU-a, 16380\n")
+    put(tmp_path / "gpus", "0, GPU-a, 16380\n")
     with bench.MemoryPoller([0]) as blind:
-        (tmp_path / "gpus").write_text("0, GPU-a, 90816\n")
+        put(tmp_path / "gpus", "0, GPU-a, 90816\n")
         blind.sample()
     assert (blind.peak, blind.device_peak, blind.processes) == (90816 - 16380, 90816, {})
 
