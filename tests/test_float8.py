@@ -74,20 +74,21 @@ def test_training_on_an_fp8_base_trains_the_same_adapter_parameters_close_to_the
         assert torch.isfinite(grads8[name]).all() and relative_error(grads8[name], g) < 0.15, name
 
 
-def plan(dequantized: bool = True) -> TrainingPlan:
+def plan(dequantized: bool = True, compiled: bool = True) -> TrainingPlan:
     return TrainingPlan(packing=True, micro_batch_tokens=4096, micro_batch_rows=0, gradient_accumulation_steps=1,
                         gradient_checkpointing=False, tokens_per_step=4096.0, predicted_peak_gib=10.0,
-                        budget_gib=20.0, reasons=[], dequantize_base=dequantized)
+                        budget_gib=20.0, reasons=[], dequantize_base=dequantized, compile_layers=compiled)
 
 
-@pytest.mark.parametrize("dequantized, capabilities, dtype, why_not", [
-    (False, [(9, 0)], "bfloat16", "the base stays 4-bit"),
-    (True, [(9, 0), (8, 0)], "bfloat16", "a GPU of compute capability 8.0 has no FP8 tensor cores (8.9+)"),
-    (True, [(9, 0)], "float16", "the compute dtype is float16"),
+@pytest.mark.parametrize("dequantized, compiled, capabilities, dtype, why_not", [
+    (False, True, [(9, 0)], "bfloat16", "the base stays 4-bit"),
+    (True, True, [(9, 0), (8, 0)], "bfloat16", "a GPU of compute capability 8.0 has no FP8 tensor cores (8.9+)"),
+    (True, True, [(9, 0)], "float16", "the compute dtype is float16"),
+    (True, False, [(9, 0)], "bfloat16", "the decoder layers are not compiled (train.compile)"),
 ])
-def test_the_planner_leaves_the_fp8_base_off_where_it_cannot_run_and_says_why(dequantized, capabilities, dtype,
-                                                                              why_not):
-    chosen = with_fp8_base(plan(dequantized), True, capabilities, dtype)
+def test_the_planner_leaves_the_fp8_base_off_where_it_cannot_run_or_pay_and_says_why(dequantized, compiled,
+                                                                                    capabilities, dtype, why_not):
+    chosen = with_fp8_base(plan(dequantized, compiled), True, capabilities, dtype)
     assert not chosen.fp8_base
     assert any(r.startswith("FP8 base off (train.fp8_base=true): " + why_not) for r in chosen.reasons), chosen.reasons
 
@@ -97,6 +98,8 @@ def test_the_planner_holds_the_fp8_base_where_asked_and_possible_with_the_same_m
     chosen = with_fp8_base(plan(), True, capabilities, "bfloat16" if capabilities else "float32")
     assert chosen.fp8_base and chosen.predicted_peak_gib == 10.0 and chosen.micro_batch_tokens == 4096
     assert not with_fp8_base(plan(), False, capabilities).fp8_base  # off unless asked
+    if not capabilities:  # the CPU runs it eagerly too: the tests' path, where speed is not the point
+        assert with_fp8_base(plan(compiled=False), True, [], "float32").fp8_base
 
 
 def test_an_fp8_layer_compiles_into_one_graph_with_its_lora_branch():

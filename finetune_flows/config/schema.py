@@ -174,8 +174,9 @@ class TrainConfig(Section):
         False, description="Run the frozen base's matmuls in FP8 (e4m3 weights and activations, one scale per row "
         "or token; finetune_flows/models/float8.py): FP8 tensor cores run twice the bf16 rate, but every weight and "
         "activation is rounded to a 3-bit mantissa, so this is not QLoRA's computation (the evaluation, on the NF4 "
-        "base, shows what it costs). Needs the dequantized base and, on a GPU, compute capability 8.9+ and bf16 "
-        "compute (the planner leaves it off, and says why, elsewhere).")
+        "base, shows what it costs). Needs the dequantized base and, on a GPU, compute capability 8.9+, bf16 "
+        "compute and compiled decoder layers (train.compile; eager quantization costs more than FP8 saves): the "
+        "planner leaves it off, and says why, elsewhere.")
     upcast_frozen: bool | Literal["auto"] = Field(
         "auto", description="Keep the frozen embeddings, norms and lm_head in fp32 as PEFT's "
         "prepare_model_for_kbit_training does (true), or in the compute dtype (false); `auto`: the measured "

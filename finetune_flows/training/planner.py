@@ -237,14 +237,19 @@ def with_fp8_base(plan: TrainingPlan, asked: bool, capabilities: list[tuple[int,
     """`plan` with the dequantized base's matmuls in FP8 where asked for (train.fp8_base) and possible: the base held
     dequantized (so not under FSDP), and FP8 tensor cores on every selected GPU (`capabilities`; none: the CPU, where
     it runs for tests) computing in bf16 (their row-wise scaled FP8 matmuls give bf16 only). The memory plan holds: two
-    FP8 copies of each weight take the bytes of one bf16 copy."""
+    FP8 copies of each weight take the bytes of one bf16 copy. On a GPU it also needs the decoder layers compiled: run
+    eagerly, each quantization of an activation or gradient is a chain of separate kernels, which cost more than the
+    FP8 matmuls save (benchmarks/results/train-bench-1xGPU-20261205-102422: 2x slower with 28 of 36 layers eager)."""
     if not asked:
         return plan
     old = next((c for c in capabilities if tuple(c) < FP8_CAPABILITY), None)
     why_not = ("the base stays 4-bit (FP8 is made from the dequantized base)" if not plan.dequantize_base else
                f"a GPU of compute capability {old[0]}.{old[1]} has no FP8 tensor cores (8.9+)" if old else
                f"the compute dtype is {compute_dtype} (a GPU's row-wise scaled FP8 matmul gives bfloat16 only)"
-               if capabilities and compute_dtype != "bfloat16" else None)
+               if capabilities and compute_dtype != "bfloat16" else
+               "the decoder layers are not compiled (train.compile): eager, each activation's quantization is a chain "
+               "of separate kernels that cost more than the FP8 matmuls save" if capabilities and not
+               plan.compile_layers else None)
     if why_not:
         plan.reasons.append(f"FP8 base off (train.fp8_base=true): {why_not}")
         return plan
