@@ -11,8 +11,8 @@ them (training/compiling.py; with CUDA graphs on a GPU, as the unlimited 8B plan
 gradients and the LoRA weights' gradients), timed by CUDA events (the host's clock on the CPU), median over the
 steady steps. The loss is the mean square of the last hidden state: the decoder layers alone, no lm_head.
 
-It prints and writes (`--out`, JSON) ms per step and tokens per second for each base, their ratio, the peak memory
-the allocator reserved, and how far the FP8 run's loss and LoRA gradients are from the dequantized run's. A training
+It prints and writes (`--out`, JSON) ms per step and tokens per second for each base, their ratio, each model's
+weights (MiB) and, on a GPU, what its steps reserved beyond what was reserved before them, and how far the FP8 run's loss and LoRA gradients are from the dequantized run's. A training
 speed-up is claimed from `train_speed.py`'s rows, not from this.
 """
 
@@ -127,11 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name, model in (("dequantized", dequantized), ("fp8", fp8)):
         compile_decoder_layers(model, cuda_graphs=graphs)
-        if device == "cuda":
+        if device == "cuda":  # both models stay resident, and the first one's graph pool: count from here
+            torch.cuda.synchronize()
+            reserved = torch.cuda.memory_reserved()
             torch.cuda.reset_peak_memory_stats()
         results[name] = measure(model, ids, device, args.warmup, args.steps)
-        if device == "cuda":
-            results[name]["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        results[name]["weights_mib"] = round(sum(t.nbytes for t in (*model.parameters(), *model.buffers())) / 2**20, 2)
+        if device == "cuda":  # the step's activations, temporaries and graph pool: reserved beyond the weights
+            results[name]["step_reserved_gib"] = round((torch.cuda.max_memory_reserved() - reserved) / 2**30, 2)
     tokens = args.rows * args.length
     grads_error = {n: relative_error(results["fp8"]["grads"][n], g) for n, g in results["dequantized"]["grads"].items()}
     report = {

@@ -211,5 +211,6 @@ def test_the_fp8_layers_benchmark_compares_both_bases_on_the_same_weights(tmp_pa
     report = json.loads(out.read_text())
     assert report["fp8_layers"] == 14 and report["compile"]["frames_compiled"] == 2, report
     assert report["dequantized"]["ms_per_step"] > 0 and report["fp8"]["ms_per_step"] > 0
+    assert 0 < report["fp8"]["weights_mib"] < report["dequantized"]["weights_mib"]  # fp32 here: 4 bytes against 2
     assert 0 < report["fp8_loss_relative"] < 1e-3
     assert 0 < report["fp8_grad_relative_error_median"] < 0.2
