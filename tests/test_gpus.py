@@ -267,3 +267,29 @@ def test_the_workers_cap_each_gpu_at_the_budget(monkeypatch):
     # the cap less what the allocator holds, not the device's 130 GiB
     assert finetune_flows.runtime.gpus.free_bytes(0) == 18.5 * 2**30
     assert eval_device(plan.model_copy(update={"device": "cpu"}), 24) == torch.device("cpu")
+
+
+def test_the_exports_check_fits_within_the_budget_as_on_a_gpu_that_small(monkeypatch):
+    """The export's check loads the merged model on the GPU in the compute dtype: under hardware.memory_budget_gib it
+    must fit in the budget's allocator share, not in the device's free memory, else the step is skipped (or refused)
+    naming the budget (CUDA mocked: no GPU here)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import finetune_flows.runtime.gpus
+    from finetune_flows.export.merge import memory_shortfalls
+
+    total = 143771 * 2**20
+    monkeypatch.setattr(finetune_flows.runtime.gpus, "_CAPS", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (130 * 2**30, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 0)  # the check comes before anything loads
+    qwen3_8b, qwen3_14b, host = 8_190_735_360, 14_768_307_200, 120 * 2**30
+    assert memory_shortfalls(qwen3_14b, 2, 2, host, "NVIDIA H200", None) == []  # 34.4 GiB of 130 free
+    finetune_flows.runtime.gpus.cap_process_memory(24, 0)
+    assert memory_shortfalls(qwen3_8b, 2, 2, host, "NVIDIA H200", 24) == []  # 19.1 GiB of the cap's 22.5
+    assert memory_shortfalls(qwen3_14b, 2, 2, host, "NVIDIA H200", 24) == [
+        "NVIDIA H200 within hardware.memory_budget_gib=24: needs 34.4 GiB, 22.5 GiB free"]
+    assert memory_shortfalls(qwen3_14b, 2, 2, 40 * 2**30, None, None) == ["host memory: needs 68.8 GiB, 40.0 GiB free"]

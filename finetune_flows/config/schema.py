@@ -218,10 +218,11 @@ class HardwareConfig(Section):
         "rehearsal of a smaller card); null: the whole GPU. PyTorch's allocator gets it less 1.5 GiB for what the "
         "process holds outside it (the CUDA context, loaded kernels); the memory planner plans with that, or with "
         "70% of a GPU's free memory where that is less (others may share the GPU), choosing the 4-bit or the "
-        "dequantized base, checkpointing and micro-batch within it, and the training and evaluation workers cap "
-        "the allocator there (torch.cuda.set_per_process_memory_fraction), so a plan that does not fit fails as on "
-        "a smaller GPU (an out-of-memory attempt is repeated with smaller micro-batches). The quantization and "
-        "export steps are not capped. Refused before "
+        "dequantized base, checkpointing and micro-batch within it, and every worker that uses the GPU "
+        "(quantization, training, evaluation, the export's check) caps the allocator there "
+        "(torch.cuda.set_per_process_memory_fraction), so what does not fit fails as on a smaller GPU (an "
+        "out-of-memory attempt in training is repeated with smaller micro-batches; an export whose check does not "
+        "fit is skipped, or refused by flows/export.py). Refused before "
         "anything loads when it exceeds a selected GPU, or when the base (4-bit where quantized), the adapter and "
         "one `data.max_length` row with checkpointing do not fit in the part the planner uses. Ignored on the CPU.",
     )
@@ -387,7 +388,8 @@ class ExportConfig(Section):
         description="After evaluation, merge the adapter into a copy of the exact base it was trained on (the "
         "dequantized 4-bit weights), save it as a standalone checkpoint with a model card in `<run>/merged/`, "
         "and check its logits against base + adapter. Skipped, with a log line, when the device lacks the "
-        "memory; `python flows/export.py --adapter ...` does it later.",
+        "memory (within hardware.memory_budget_gib where set); `python flows/export.py --adapter ...` does it "
+        "later.",
     )
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="Weight dtype of the merged checkpoint."

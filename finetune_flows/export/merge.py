@@ -12,8 +12,9 @@ The adapter learned against the 4-bit weights, so the merge target is those weig
    `export.max_logit_error`, or the export fails and nothing is kept.
 
 The checkpoint is content-addressed in the cache (`<cache>/merged/<fingerprint>`) and hard-linked into
-`<run>/merged/` with a model card (model_card.py). When the device lacks the memory for the merged model, the
-finetune flow skips the step and says so; `flows/export.py` refuses with the numbers.
+`<run>/merged/` with a model card (model_card.py). When the device lacks the memory for the merged model (within
+`hardware.memory_budget_gib` where set), the finetune flow skips the step and says so; `flows/export.py` refuses
+with the numbers.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.config.plan import Plan, worker_config
 from finetune_flows.errors import ConfigError, EnvironmentMismatch
 from finetune_flows.store.fingerprint import combine, hash_tree, step_versions
-from finetune_flows.runtime.gpus import GpuSelection
+from finetune_flows.runtime.gpus import GpuSelection, cap_process_memory, free_bytes
 from finetune_flows.runtime.launcher import python_module, run_worker, write_job
 from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import worker_main
@@ -81,12 +82,18 @@ def merge_fingerprint(cfg: FinetuneConfig, data: PreparedDataset, base: Quantize
 # ---------------------------------------------------------------- worker side
 
 
-def _free_bytes(device) -> int:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return psutil.virtual_memory().available  # MemAvailable
+def memory_shortfalls(parameters: int, export_bytes: int, compute_bytes: int, host_free: int, gpu: str | None,
+                      budget_gib: float | None) -> list[str]:
+    """What the merge lacks, one line per memory: host memory (`host_free` available) holds the merged weights in the
+    export dtype beside the dequantized ones; the GPU (`gpu`, its name; None: the CPU) the merged model in the compute
+    dtype for the check, within `hardware.memory_budget_gib` where one is set (the caller has capped the allocator
+    there)."""
+    needs = {"host memory": (parameters * (export_bytes + compute_bytes) * HEADROOM, host_free)}
+    if gpu is not None:
+        name = gpu if budget_gib is None else f"{gpu} within hardware.memory_budget_gib={budget_gib:g}"
+        needs[name] = (parameters * compute_bytes * HEADROOM, free_bytes(0))
+    return [f"{name}: needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+            for name, (need, free) in needs.items() if need > free]
 
 
 def _parameter_count(base_path: Path, trust_remote_code: bool) -> int:
@@ -144,13 +151,13 @@ def _export(job: dict) -> dict:
     remote = cfg.model.trust_remote_code
     parameters = _parameter_count(base_path, remote)
     # The merge happens in host memory (the GPU holds only the 4-bit model); the check then loads the merged
-    # model on the device in the compute dtype.
-    needs = {"host memory": (parameters * (export_dtype.itemsize + compute.itemsize) * HEADROOM,
-                             _free_bytes(torch.device("cpu")))}
-    if device.type == "cuda":
-        needs[torch.cuda.get_device_name(device)] = (parameters * compute.itemsize * HEADROOM, _free_bytes(device))
-    short = [f"{name}: needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
-             for name, (need, free) in needs.items() if need > free]
+    # model on the device in the compute dtype, within the run's memory budget as every GPU worker is.
+    budget = cfg.hardware.memory_budget_gib if device.type == "cuda" else None
+    if budget is not None:
+        cap_process_memory(budget, 0)
+    short = memory_shortfalls(parameters, export_dtype.itemsize, compute.itemsize,
+                              psutil.virtual_memory().available,  # MemAvailable
+                              torch.cuda.get_device_name(device) if device.type == "cuda" else None, budget)
     if short:
         reason = (f"merging {parameters / 1e6:.0f}M parameters into a {cfg.export.dtype} checkpoint does not fit: "
                   + "; ".join(short))

@@ -19,7 +19,7 @@ from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig, QuantizationConfig
 from finetune_flows.config.plan import Plan, worker_config
 from finetune_flows.store.fingerprint import combine, step_versions
-from finetune_flows.runtime.gpus import GpuSelection
+from finetune_flows.runtime.gpus import GpuSelection, cap_process_memory
 from finetune_flows.runtime.launcher import python_module, run_worker, write_job
 from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import worker_main
@@ -87,6 +87,8 @@ def _quantize(job: dict) -> dict:
     storage = job.get("quant_storage", "uint8")
     src = materialize_model(cfg.model.source, cfg.cache_root, cfg.model.revision, cfg.model.trust_remote_code)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":  # within the run's memory budget, as every GPU worker (the output does not depend on it)
+        cap_process_memory(cfg.hardware.memory_budget_gib, 0)
     started = time.perf_counter()
     remote = cfg.model.trust_remote_code
     model = AutoModelForCausalLM.from_pretrained(
