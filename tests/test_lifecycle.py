@@ -376,7 +376,9 @@ def test_a_pid_record_is_trusted_only_while_its_process_runs(tmp_path):
 def test_an_exited_process_awaiting_its_parents_wait_is_gone_and_the_tree_reaches_across_sessions():
     """A zombie has exited (psutil's is_running() still says True for one); a rank in a session of its own is
     still below the process that started it."""
-    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+    # The parent keeps its Popen: one it discarded would reap the child in Popen.__del__ (waitpid) if the child was
+    # already dead then, as when the SIGKILL below lands while the parent is still inside Popen().
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
             "start_new_session=True); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
