@@ -62,7 +62,10 @@ def build(shape: str, layers: int, device: str, dtype):
     return model
 
 
-def step(model, ids) -> float:
+def step(model, ids) -> "torch.Tensor":
+    # The decoder alone, so not through the PEFT model, whose forward hook marks each step for the CUDA graphs
+    # (compile_decoder_layers): marked here instead.
+    torch.compiler.cudagraph_mark_step_begin()
     hidden = model.get_base_model().model(input_ids=ids).last_hidden_state
     loss = hidden.float().pow(2).mean()
     loss.backward()
