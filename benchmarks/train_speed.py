@@ -383,6 +383,7 @@ class Bench:
         return src, QuantizedModel.model_validate_json((out / "quantization.json").read_text()), cfg, plan
 
     def record(self, name: str, result: dict) -> None:
+        result = {**result, "host_dispatch_us": host_dispatch_us()}  # the host's speed, right after the row
         (self.runs_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
 
     def record_error(self, name: str, shape: str, run: str, budget: int | None, error: str) -> None:
@@ -546,6 +547,30 @@ class Bench:
 # ---------------------------------------------------------------- report
 
 
+def host_cpu() -> dict:
+    """The host's CPU model and the cores this process may use: rows bound by the host (the peers', the small shape's)
+    move with it."""
+    info = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (info.read_text().splitlines() if info.is_file() else [])
+             if line.startswith("model name")]
+    return {"model": names[0] if names else platform.processor() or None, "cores": len(os.sched_getaffinity(0))}
+
+
+def host_dispatch_us(ops: int = 2000, repeats: int = 5) -> float:
+    """Microseconds per PyTorch op dispatched from Python on a one-element CPU tensor, the median of `repeats` runs:
+    the host-side cost that bounds launch-bound rows, measured beside each row so that rows of a slow host, or of a
+    host that slowed down, can be told apart."""
+    import torch
+
+    one, times = torch.ones(1), []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(ops):
+            torch.add(one, one)
+        times.append((time.perf_counter() - started) / ops * 1e6)
+    return round(sorted(times)[len(times) // 2], 2)
+
+
 def versions() -> dict:
     import importlib.metadata as md
 
@@ -602,7 +627,7 @@ def build_report(state: Path, env, command: str) -> dict:
     workload = json.loads(imported.read_text()) if imported.is_file() else {}
     workload.update({p.parent.name: json.loads(p.read_text()) for p in (state / "workload").glob("*/stats.json")})
     return {"date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"), "command": command,
-            "host": platform.node(), "python": platform.python_version(),
+            "host": platform.node(), "cpu": host_cpu(), "python": platform.python_version(),
             "gpus": [g.model_dump() for g in env.gpus], "driver": env.driver_version, "cuda": env.cuda_version,
             "versions": versions(), "workload": workload, "runs": runs, "speedup": speedup, "best_peer": best_peer,
             "eval_loss_relative_to_seed": quality,
@@ -615,6 +640,9 @@ def markdown(rep: dict) -> str:
     head = f"{len(gpus)} x {gpus[0]['name']}" if gpus else "CPU"
     lines = [f"# Training benchmark: {head}", "", f"- date: {rep['date']}", f"- command: `{rep['command']}`",
              f"- driver {rep['driver']}, CUDA {rep['cuda']}, python {rep['python']}",
+             *([f"- host CPU: {rep['cpu']['model']}, {rep['cpu']['cores']} cores; `host us/op` below: a PyTorch op "
+                "dispatched from Python after each row (host_dispatch_us), the host's speed then"] if rep.get("cpu")
+               else []),
              "- versions: " + ", ".join(f"{k} {v}" for k, v in rep["versions"].items() if v),
              f"- FLOP model: {rep['flop_model']}", ""]
     for name, w in rep["workload"].items():
@@ -622,13 +650,14 @@ def markdown(rep: dict) -> str:
                      f"{w['mean_length']}, {w['min_length']}..{w['max_length']}; {w['tokens']} tokens")
     ran = [r for r in rep["runs"] if not r.get("error")]
     lines += ["", "| run | budget GiB | GPUs | tokens/s (steady, median) | min..max | MFU | peak reserved GiB | "
-              "nvidia-smi GiB | eval loss | run s (beyond steady) | layout |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "nvidia-smi GiB | eval loss | run s (beyond steady) | host us/op | layout |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ran:
         lines.append(f"| {r['name']} | {r.get('memory_budget_gib') or '-'} | {r['gpus']} | {r['tokens_per_second']} | "
                      f"{r['tokens_per_second_min']}..{r['tokens_per_second_max']} | {r['mfu']} | "
                      f"{r['peak_reserved_gib']} | {r['nvidia_smi_peak_gib']} | {r['eval_loss']} | "
-                     f"{r.get('train_seconds')} ({r.get('warmup_overhead_seconds')}) | {_layout(r)} |")
+                     f"{r.get('train_seconds')} ({r.get('warmup_overhead_seconds')}) | "
+                     f"{r.get('host_dispatch_us') or '-'} | {_layout(r)} |")
     failed = [r for r in rep["runs"] if r.get("error")]
     if failed:
         lines += ["", "## Rows that did not run", ""]

@@ -44,6 +44,8 @@ def test_training_benchmark_smoke_run_writes_the_report(tmp_path):
     assert ours["training_plan"]["compile_layers"]
     assert any((tmp_path / "state" / "cache" / "compile" / "cpu" / "inductor").iterdir())
     assert "| seed-tiny-llama |" in (out / "report.md").read_text()
+    # the host's CPU, and its speed after each row: rows bound by the host move with it
+    assert report["cpu"]["cores"] >= 1 and all(run["host_dispatch_us"] > 0 for run in report["runs"])
 
 
 def test_two_gpu_variants_get_their_own_scaling_beside_the_plain_one(tmp_path):
