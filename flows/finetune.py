@@ -33,7 +33,7 @@ from finetune_flows.store.fingerprint import pin_hub_revisions  # noqa: E402
 from finetune_flows.store.runs import create_run_dir, flow_run_name  # noqa: E402
 from tasks.evaluate_adapter import evaluate_adapter  # noqa: E402
 from tasks.log_to_mlflow import log_to_mlflow  # noqa: E402
-from tasks.merge_adapter import export_merged_model  # noqa: E402
+from tasks.merge_adapter import export_merged_model, warn_if_the_merge_will_be_skipped  # noqa: E402
 from tasks.prepare_dataset import prepare_dataset  # noqa: E402
 from tasks.quantize_base_model import quantize_base_model  # noqa: E402
 from tasks.select_gpus import select_gpus  # noqa: E402
@@ -55,6 +55,7 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     run_dir = create_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir, inventory)
+    warn_if_the_merge_will_be_skipped(cfg, plan)
     gpus = select_gpus(cfg.hardware.gpus, env.gpus)
     tokenizer = materialize_tokenizer(cfg.model.source, cfg.cache_root, cfg.model.revision,
                                       cfg.model.trust_remote_code)

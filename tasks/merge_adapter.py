@@ -13,6 +13,7 @@ from finetune_flows.errors import retry_unless_user_error
 from finetune_flows.export import merge
 from finetune_flows.export.merge import ExportResult, MergedModel
 from finetune_flows.export.model_card import place_merged
+from finetune_flows.logs import run_logger
 from finetune_flows.models.quantize import QuantizedModel
 from finetune_flows.orchestration.caching import CacheKey
 from finetune_flows.orchestration.steps import step
@@ -44,3 +45,9 @@ def export_merged_model(cfg: FinetuneConfig, data: PreparedDataset, base: Quanti
     if merged is None:
         return None
     return place_merged(merged, run_dir, cfg, base, data, env, eval_rows, adapter)
+
+
+def warn_if_the_merge_will_be_skipped(cfg: FinetuneConfig, plan: Plan) -> None:
+    """Said at the start, not hours later: within hardware.memory_budget_gib the merged model's check will not fit."""
+    if why := merge.budget_skips_merge(cfg, plan):
+        run_logger().warning(why)

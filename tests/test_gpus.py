@@ -293,3 +293,27 @@ def test_the_exports_check_fits_within_the_budget_as_on_a_gpu_that_small(monkeyp
     assert memory_shortfalls(qwen3_14b, 2, 2, host, "NVIDIA H200", 24) == [
         "NVIDIA H200 within hardware.memory_budget_gib=24: needs 34.4 GiB, 22.5 GiB free"]
     assert memory_shortfalls(qwen3_14b, 2, 2, 40 * 2**30, None, None) == ["host memory: needs 68.8 GiB, 40.0 GiB free"]
+
+
+def test_a_run_whose_merge_will_not_fit_its_budget_hears_it_before_training():
+    """From the model's shape, before anything loads: the Qwen3-8B shape's check (19.1 GiB in bf16) fits 24 GiB,
+    not 16; nothing is said without a budget, on the CPU, or with export.merge off."""
+    from finetune_flows.config.plan import Plan
+    from finetune_flows.config.schema import FinetuneConfig
+    from finetune_flows.export.merge import budget_skips_merge
+
+    gpu = Plan(device="cuda", nproc=1, precision="bf16", compute_dtype="bfloat16", train_attn="sdpa",
+               eval_attn="sdpa")
+
+    def config(budget, merge=True):
+        return FinetuneConfig.model_validate({"model": {"source": "generated:qwen3-8b"}, "export": {"merge": merge},
+                                              "hardware": {"memory_budget_gib": budget}})
+
+    assert budget_skips_merge(config(24), gpu) is None
+    assert budget_skips_merge(config(16), gpu) == (
+        "export.merge: checking the merged model needs about 19.1 GiB of GPU memory, more than "
+        "hardware.memory_budget_gib=16 leaves the allocator (14.5 GiB), so this run will skip the merge; set "
+        "export.merge=false to leave it out, or merge later with flows/export.py and a larger budget")
+    assert budget_skips_merge(config(None), gpu) is None
+    assert budget_skips_merge(config(16, merge=False), gpu) is None
+    assert budget_skips_merge(config(16), gpu.model_copy(update={"device": "cpu"})) is None

@@ -41,6 +41,8 @@ from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.models.quantize import QuantizedModel, torch_dtype
 from finetune_flows.store.entries import MANIFEST, Entry, reuse_or_produce
 from finetune_flows.models.dequantize import dequantize_model
+from finetune_flows.training.planner import ModelShape, allocator_bytes
+from finetune_flows.training.sharding import readable_model_config
 
 RECORD = "export.json"
 HEADROOM = 1.25  # allocator slack, activations of the check, the tokenizer: measured need is below this
@@ -82,6 +84,27 @@ def merge_fingerprint(cfg: FinetuneConfig, data: PreparedDataset, base: Quantize
 # ---------------------------------------------------------------- worker side
 
 
+def check_bytes(parameters: int, compute_bytes: int) -> float:
+    """GPU memory the check needs: the merged model in the compute dtype, with HEADROOM."""
+    return parameters * compute_bytes * HEADROOM
+
+
+def budget_skips_merge(cfg: FinetuneConfig, plan: Plan) -> str | None:
+    """Why the check will not fit within `hardware.memory_budget_gib` (so the finetune flow will skip the merge), from
+    the model's shape before anything loads; None where it fits, or where the shape cannot be read yet."""
+    budget, config = cfg.hardware.memory_budget_gib, readable_model_config(cfg.model.source)
+    if budget is None or plan.device != "cuda" or not cfg.export.merge or config is None:
+        return None
+    shape = ModelShape.from_config({"vocab_size": 32000, **config})
+    need = check_bytes(shape.linear_params + shape.embedding_params, 4 if plan.compute_dtype == "float32" else 2)
+    if need <= allocator_bytes(budget):
+        return None
+    return (f"export.merge: checking the merged model needs about {need / 2**30:.1f} GiB of GPU memory, more than "
+            f"hardware.memory_budget_gib={budget:g} leaves the allocator ({allocator_bytes(budget) / 2**30:.1f} GiB), "
+            "so this run will skip the merge; set export.merge=false to leave it out, or merge later with "
+            "flows/export.py and a larger budget")
+
+
 def memory_shortfalls(parameters: int, export_bytes: int, compute_bytes: int, host_free: int, gpu: str | None,
                       budget_gib: float | None) -> list[str]:
     """What the merge lacks, one line per memory: host memory (`host_free` available) holds the merged weights in the
@@ -91,7 +114,7 @@ def memory_shortfalls(parameters: int, export_bytes: int, compute_bytes: int, ho
     needs = {"host memory": (parameters * (export_bytes + compute_bytes) * HEADROOM, host_free)}
     if gpu is not None:
         name = gpu if budget_gib is None else f"{gpu} within hardware.memory_budget_gib={budget_gib:g}"
-        needs[name] = (parameters * compute_bytes * HEADROOM, free_bytes(0))
+        needs[name] = (check_bytes(parameters, compute_bytes), free_bytes(0))
     return [f"{name}: needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
             for name, (need, free) in needs.items() if need > free]
 
