@@ -41,8 +41,8 @@ from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.models.quantize import QuantizedModel, torch_dtype
 from finetune_flows.store.entries import MANIFEST, Entry, reuse_or_produce
 from finetune_flows.models.dequantize import dequantize_model
-from finetune_flows.training.planner import ModelShape, allocator_bytes
-from finetune_flows.training.sharding import readable_model_config
+from finetune_flows.training.planner import GIB, allocator_bytes
+from finetune_flows.training.sharding import readable_model_shape
 
 RECORD = "export.json"
 HEADROOM = 1.25  # allocator slack, activations of the check, the tokenizer: measured need is below this
@@ -92,15 +92,14 @@ def check_bytes(parameters: int, compute_bytes: int) -> float:
 def budget_skips_merge(cfg: FinetuneConfig, plan: Plan) -> str | None:
     """Why the check will not fit within `hardware.memory_budget_gib` (so the finetune flow will skip the merge), from
     the model's shape before anything loads; None where it fits, or where the shape cannot be read yet."""
-    budget, config = cfg.hardware.memory_budget_gib, readable_model_config(cfg.model.source)
-    if budget is None or plan.device != "cuda" or not cfg.export.merge or config is None:
+    budget, shape = cfg.hardware.memory_budget_gib, readable_model_shape(cfg.model.source)
+    if budget is None or plan.device != "cuda" or not cfg.export.merge or shape is None:
         return None
-    shape = ModelShape.from_config({"vocab_size": 32000, **config})
     need = check_bytes(shape.linear_params + shape.embedding_params, 4 if plan.compute_dtype == "float32" else 2)
     if need <= allocator_bytes(budget):
         return None
-    return (f"export.merge: checking the merged model needs about {need / 2**30:.1f} GiB of GPU memory, more than "
-            f"hardware.memory_budget_gib={budget:g} leaves the allocator ({allocator_bytes(budget) / 2**30:.1f} GiB), "
+    return (f"export.merge: checking the merged model needs about {need / GIB:.1f} GiB of GPU memory, more than "
+            f"hardware.memory_budget_gib={budget:g} leaves the allocator ({allocator_bytes(budget) / GIB:.1f} GiB), "
             "so this run will skip the merge; set export.merge=false to leave it out, or merge later with "
             "flows/export.py and a larger budget")
 
@@ -176,8 +175,7 @@ def _export(job: dict) -> dict:
     # The merge happens in host memory (the GPU holds only the 4-bit model); the check then loads the merged
     # model on the device in the compute dtype, within the run's memory budget as every GPU worker is.
     budget = cfg.hardware.memory_budget_gib if device.type == "cuda" else None
-    if budget is not None:
-        cap_process_memory(budget, 0)
+    cap_process_memory(budget, 0)  # no cap without a budget (and on the CPU)
     short = memory_shortfalls(parameters, export_dtype.itemsize, compute.itemsize,
                               psutil.virtual_memory().available,  # MemAvailable
                               torch.cuda.get_device_name(device) if device.type == "cuda" else None, budget)

@@ -41,7 +41,7 @@ def _matmul(a, a_scale, b_rows, b_scale, out_dtype):
 def _classes():
     """The autograd Function and the module class, made once: every FP8 layer must be of one class, else Dynamo's
     guard on each compiled decoder layer's module types fails for the next layer and recompiles it, until its
-    recompile limit leaves the rest of the layers uncompiled (2x slower on an H100)."""
+    recompile limit leaves the rest of the layers uncompiled."""
     import torch
 
     class Float8Matmul(torch.autograd.Function):

@@ -34,8 +34,8 @@ from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.store.entries import Entry, reuse_or_record
 from finetune_flows.training.distributed import plan_problems, world_size
-from finetune_flows.training.planner import GIB, OUTSIDE_ALLOCATOR, ModelShape, allocator_bytes, memory_parts
-from finetune_flows.training.sharding import readable_model_config, resolve_strategy
+from finetune_flows.training.planner import GIB, OUTSIDE_ALLOCATOR, allocator_bytes, memory_parts
+from finetune_flows.training.sharding import readable_model_shape, resolve_strategy
 
 STACK = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "prefect", "kernels",
          "flash-attn", "flash-attn-3", "flash-attn-4", "liger-kernel", "pydantic", "nvidia-ml-py", "triton")
@@ -208,15 +208,15 @@ def budget_shortfall(cfg: FinetuneConfig, plan: Plan) -> str | None:
     cannot be read before it is fetched: the planner checks it then): the least a rank needs is its share of the
     base as loaded, the adapter with its gradients and optimizer state, and one `data.max_length` row with
     activation checkpointing, in the allocator's share of the budget (planner.allocator_bytes)."""
-    config = readable_model_config(cfg.model.source)
-    if config is None:
+    shape = readable_model_shape(cfg.model.source)
+    if shape is None:
         return None
     budget, tokens, four_bit = cfg.hardware.memory_budget_gib, cfg.data.max_length, cfg.quantization.load_in_4bit
     shards = world_size(cfg, plan) if plan.strategy == "fsdp" else 1
-    parts = memory_parts(ModelShape.from_config({"vocab_size": 32000, **config}), tokens, checkpointing=True,
-                         four_bit=four_bit, lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
-                         fused_ce=plan.liger, dtype_bytes=4 if plan.compute_dtype == "float32" else 2,
-                         upcast=plan.upcast_frozen, shards=shards)
+    parts = memory_parts(shape, tokens, checkpointing=True, four_bit=four_bit, lora_r=cfg.lora.r,
+                         lora_targets=cfg.lora.target_modules, fused_ce=plan.liger,
+                         dtype_bytes=4 if plan.compute_dtype == "float32" else 2, upcast=plan.upcast_frozen,
+                         shards=shards)
     need = sum(parts.values())
     if need <= allocator_bytes(budget):
         return None

@@ -239,7 +239,7 @@ def with_fp8_base(plan: TrainingPlan, asked: bool, capabilities: list[tuple[int,
     it runs for tests) computing in bf16 (their row-wise scaled FP8 matmuls give bf16 only). The memory plan holds: two
     FP8 copies of each weight take the bytes of one bf16 copy. On a GPU it also needs the decoder layers compiled: run
     eagerly, each quantization of an activation or gradient is a chain of separate kernels, which cost more than the
-    FP8 matmuls save (benchmarks/results/train-bench-1xGPU-20261205-102422: 2x slower with 28 of 36 layers eager)."""
+    FP8 matmuls save (benchmarks/results/train-bench-1xGPU-20261205-102422/NOTE.md)."""
     if not asked:
         return plan
     old = next((c for c in capabilities if tuple(c) < FP8_CAPABILITY), None)

@@ -50,6 +50,12 @@ def readable_model_config(source: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def readable_model_shape(source: str) -> ModelShape | None:
+    """The model's shape from readable_model_config (None where that cannot be read yet)."""
+    config = readable_model_config(source)
+    return None if config is None else ModelShape.from_config({"vocab_size": 32000, **config})
+
+
 def resolve_strategy(cfg: FinetuneConfig, *, on_gpu: bool, ranks: int, free_mib: int | None,
                      dtype_bytes: int) -> tuple[str, str]:
     """(ddp | fsdp, why) for `hardware.strategy` on this machine; `ranks` is the world size of the run, `free_mib`
@@ -63,11 +69,10 @@ def resolve_strategy(cfg: FinetuneConfig, *, on_gpu: bool, ranks: int, free_mib:
         return "ddp", "auto: ddp on the CPU (no device memory to save)"
     if cfg.train.upcast_frozen is True:
         return "ddp", "auto: ddp, since train.upcast_frozen=true keeps frozen weights in fp32 (fsdp cannot)"
-    config = readable_model_config(cfg.model.source)
-    if config is None:
+    shape = readable_model_shape(cfg.model.source)
+    if shape is None:
         return "ddp", ("auto: ddp, the model's shape cannot be read before it is fetched; set "
                        "hardware.strategy=fsdp to shard it")
-    shape = ModelShape.from_config({"vocab_size": 32000, **config})
     budget = planning_bytes(free_mib, cfg.hardware.memory_budget_gib)[0]
     common = dict(checkpointing=True, four_bit=cfg.quantization.load_in_4bit, lora_r=cfg.lora.r,
                   lora_targets=cfg.lora.target_modules, fused_ce=False, dtype_bytes=dtype_bytes, upcast=False)
