@@ -45,16 +45,22 @@ def device_slots(prefect_server):
             client.delete_global_concurrency_limit_by_name(name)
 
 
-def stop_a_cli_run(cache: Path, tmp_path: Path, sig: int, slots: list[str], seed: int, env: dict | None = None,
-                   **extra) -> tuple[list, int]:
+def stop_a_cli_run(cache: Path, tmp_path: Path, sig: int, slots: list[str], seed: int, **extra) -> tuple[list, int]:
     """Start a CLI run against the test server, signal the flow process once training runs, check that every
     process of the run is gone and every device slot free when the command exits, and that the ranks saved one
-    checkpoint on the way out. Returns the run's overrides and that checkpoint's step."""
+    checkpoint on the way out. Returns the run's overrides and that checkpoint's step.
+
+    Each step sleeps 0.2 s first (an injected fault): the tiny model runs 60 steps in about a second, faster than
+    the signal reaches the ranks, and a run that finishes first saves no stop checkpoint."""
     from prefect.settings import PREFECT_API_URL
+
+    from finetune_flows.runtime.lifecycle import FAULTS_ENV
+
+    env = {FAULTS_ENV: json.dumps({"step_seconds": 0.2})}
 
     args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": 100,
                                                   "train.seed": seed, "hardware.stop_grace_seconds": 30, **extra})
-    proc = start_cli(args, child_env(PREFECT_API_URL=PREFECT_API_URL.value(), **(env or {})), tmp_path / "cli.log")
+    proc = start_cli(args, child_env(PREFECT_API_URL=PREFECT_API_URL.value(), **env), tmp_path / "cli.log")
     try:
         out, rank = training_in_progress(cache, seed, min_step=3, run=proc, log=tmp_path / "cli.log")
         members = tree(proc.pid)  # the flow process, torchrun, the ranks
@@ -99,12 +105,9 @@ def test_signal_to_the_flow_process_stops_every_worker_frees_the_slot_and_the_ne
 @pytest.mark.skipif(not read_inventory(), reason="needs an NVIDIA GPU (NVML finds none)")
 def test_sigterm_stops_every_gpu_rank_at_the_same_step_and_the_next_run_resumes(cache, tmp_path, device_slots):
     """On every GPU of the host (NCCL when there are two or more): the stop flag goes through NCCL's all-reduce.
-    Steps slowed to 0.2 s, so the tiny model is still training when the signal comes, and not compiled: the signal
-    must not land in a minutes-long compilation (the stop path is the subject; test_gpu.py trains compiled)."""
-    from finetune_flows.runtime.lifecycle import FAULTS_ENV
-
+    Not compiled: the signal must not land in a minutes-long compilation (the stop path is the subject;
+    test_gpu.py trains compiled)."""
     args, step = stop_a_cli_run(cache, tmp_path, signal.SIGTERM, device_slots, seed=801,
-                                env={FAULTS_ENV: json.dumps({"step_seconds": 0.2})},
                                 **{"hardware.gpus": "auto", "train.compile": False})
     result = finetune(load_config(None, args))
     assert result.train.resumed_from_step == step and result.train.rank_steps == [60] * len(read_inventory())
