@@ -4,6 +4,7 @@ server under SIGTERM and SIGKILL (real processes, real signals, real servers).""
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 
 from conftest import child_env, tiny_overrides
 from fault_support import ROOT, start_cli, training_in_progress
+from finetune_flows.runtime.lifecycle import FAULTS_ENV
 from finetune_flows.runtime.processes import ProcessId, tree, wait_gone
 
 pytestmark = pytest.mark.slow
@@ -45,10 +47,11 @@ def training_run(cache: Path, tmp_path: Path, seed: int, **extra) -> list[str]:
 
 def test_one_sigterm_ends_the_cli_in_time_though_its_server_is_already_gone(shared_cache, tmp_path):
     """As `timeout` stops `make run` (SIGTERM to the whole process group): the temporary server is gone before the
-    run unwinds, and Prefect's crash report and its event worker's drain at exit retry a server that is not there."""
+    run unwinds, and Prefect's crash report and its event worker's drain at exit retry a server that is not there.
+    Each step sleeps 0.1 s first, so training still runs when the signal comes (the tiny model alone takes ~5 s)."""
     cache, log, grace = shared_cache / "cli-faults", tmp_path / "cli.log", 10
-    proc = start_cli(training_run(cache, tmp_path, seed=901, **{"hardware.stop_grace_seconds": grace}),
-                     home_env(tmp_path), log)
+    env = {**home_env(tmp_path), FAULTS_ENV: json.dumps({"step_seconds": 0.1})}
+    proc = start_cli(training_run(cache, tmp_path, seed=901, **{"hardware.stop_grace_seconds": grace}), env, log)
     try:
         training_in_progress(cache, 901, min_step=2, run=proc, log=log)
         members, server = tree(proc.pid), temporary_server(proc.pid)
