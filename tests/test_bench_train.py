@@ -120,6 +120,7 @@ esac
         mem.sample()
         put(state, "100, /usr/bin/python3, GPU-a, 16380\n200, /usr/bin/python3, GPU-a, 40000\n")
         mem.sample()
+    assert not mem.thread.is_alive()  # no late sample after the block: it would count against the next run
     assert mem.peak == 73936 + 500  # the run's two processes at their largest
     assert mem.device_peak == 16380 + 73936 + 500  # what nvidia-smi showed for GPU 0
     assert mem.processes == {"100 python3": 16380, "200 python3": 73936, "201 torchrun": 500}  # GPU 1's not here
