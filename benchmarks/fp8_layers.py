@@ -11,9 +11,10 @@ them (training/compiling.py; with CUDA graphs on a GPU, as the unlimited 8B plan
 gradients and the LoRA weights' gradients), timed by CUDA events (the host's clock on the CPU), median over the
 steady steps. The loss is the mean square of the last hidden state: the decoder layers alone, no lm_head.
 
-It prints and writes (`--out`, JSON) ms per step and tokens per second for each base, their ratio, each model's
-weights (MiB) and, on a GPU, what its steps reserved beyond what was reserved before them, and how far the FP8 run's loss and LoRA gradients are from the dequantized run's. A training
-speed-up is claimed from `train_speed.py`'s rows, not from this.
+It prints and writes (`--out`, JSON) ms per step and tokens per second for each base, their ratio, each model's weights
+(MiB) and, on a GPU, what its steps reserved beyond what was reserved before them, and how far the FP8 run's loss and
+LoRA gradients are from the dequantized run's. A training speed-up is claimed from `train_speed.py`'s rows, not from
+this.
 """
 
 from __future__ import annotations
