@@ -741,9 +741,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.shapes, args.rows, args.steps, args.warmup, args.accumulation = "tiny-llama", 160, 8, 2, 1
     state = Path(args.state)
-    if args.resume_from:
-        resume_rows(Path(args.resume_from), state)
     env = run_probe(state / "probe")
+    if args.resume_from:
+        try:
+            resume_rows(Path(args.resume_from), state, [g.name for g in env.gpus])
+        except ValueError as exc:
+            parser.error(str(exc))
     command = "python benchmarks/train_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
     bench = Bench(args, env)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -792,10 +795,15 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-def resume_rows(report: Path, state: Path) -> int:
+def resume_rows(report: Path, state: Path, gpu_names: list[str]) -> int:
     """The rows of an earlier report that --state lacks, written into it (a row already there is kept), and its
-    workload statistics beside them; how many rows were added."""
+    workload statistics beside them; how many rows were added. Refuses a report from other GPUs (an H100's rows
+    beside an H200's would read as one comparison)."""
     rep = json.loads(report.read_text())
+    theirs = [g["name"] for g in rep.get("gpus", [])]
+    if theirs[:1] != gpu_names[:1]:
+        raise ValueError(f"--resume-from {report}: its rows ran on {theirs[:1] or ['the CPU']}, "
+                         f"this host has {gpu_names[:1] or ['no GPU']}; rows from other cards are not comparable")
     (state / "runs").mkdir(parents=True, exist_ok=True)
     added = 0
     for run in rep["runs"]:

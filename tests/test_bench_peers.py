@@ -118,11 +118,15 @@ def test_an_earlier_calls_rows_join_the_state_without_replacing_what_is_there(tm
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({"runs": [row("ours-qwen3-8b", "ours", "qwen3-8b", 10.0, host="a"),
                                             row("trl-qwen3-8b", "trl", "qwen3-8b", 5.0, host="a")],
+                                   "gpus": [{"name": "NVIDIA H200"}],
                                    "workload": {"qwen3-8b-4000-from151669": {"rows": 4000}}}))
     state = tmp_path / "state"
     (state / "runs").mkdir(parents=True)
     (state / "runs" / "trl-qwen3-8b.json").write_text(json.dumps(row("trl-qwen3-8b", "trl", "qwen3-8b", 6.0, host="b")))
-    assert bench.resume_rows(earlier, state) == 1
+    with pytest.raises(ValueError, match=r"ran on \['NVIDIA H200'\], this host has \['NVIDIA H100 80GB HBM3'\]"):
+        bench.resume_rows(earlier, state, ["NVIDIA H100 80GB HBM3"])
+    assert not (state / "runs" / "ours-qwen3-8b.json").exists()
+    assert bench.resume_rows(earlier, state, ["NVIDIA H200"]) == 1
     assert json.loads((state / "runs" / "trl-qwen3-8b.json").read_text())["host"] == "b"
     assert json.loads((state / "runs" / "ours-qwen3-8b.json").read_text())["host"] == "a"
     from types import SimpleNamespace
