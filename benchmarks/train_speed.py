@@ -726,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="write the report from --state and stop")
     parser.add_argument("--resume-from", metavar="REPORT_JSON", help="a report whose rows --state lacks (an earlier "
                         "call's, on a machine that did not keep --state): they join this report, each row naming "
-                        "its host")
+                        "its host; refused where its GPU is not this host's")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU: the machinery end to end")
     args = parser.parse_args(argv)
     for variant in args.variant:  # a malformed variant stops the bench before any run, not after the first ones
