@@ -61,12 +61,19 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before prefect reads its settings
 
+from finetune_flows.store.entries import write_atomic  # noqa: E402 (needs REPO on sys.path)
+
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 EVAL_ROWS = 200
 SUCCESSORS = 4
 CHAIN_VOCAB = 1024  # tokens the chain uses: small enough that a short run learns it
 ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*$")  # a variant's KEY=value in capitals sets the training worker's environment
 PEERS = ("unsloth", "trl", "trl-bf16")  # benchmarks/peer_recipe.py
+
+
+def write_json(path: Path, obj) -> None:
+    """Rows, workload stats and reports mark work as done: written whole or not at all, so a kill cannot leave half."""
+    write_atomic(path, json.dumps(obj, indent=2))
 
 
 # ---------------------------------------------------------------- workload
@@ -108,7 +115,7 @@ def write_workload(path: Path, rows: int, vocab: int, smoke: bool, first: int = 
     stats = {"rows": rows, "eval_rows": EVAL_ROWS, "vocab": vocab, "first_id": first, "tokens": sum(lengths),
              "mean_length": round(sum(lengths) / rows, 1), "median_length": sorted(lengths)[rows // 2],
              "max_length": max(lengths), "min_length": min(lengths)}
-    (path / "stats.json").write_text(json.dumps(stats, indent=2))
+    write_json(path / "stats.json", stats)
     return stats
 
 
@@ -384,7 +391,7 @@ class Bench:
 
     def record(self, name: str, result: dict) -> None:
         result = {**result, "host_dispatch_us": host_dispatch_us()}  # the host's speed, right after the row
-        (self.runs_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+        write_json(self.runs_dir / f"{name}.json", result)
 
     def record_error(self, name: str, shape: str, run: str, budget: int | None, error: str) -> None:
         """A row that did not run: its error, so the report shows why (the bench goes on with the next)."""
@@ -809,11 +816,11 @@ def resume_rows(report: Path, state: Path, gpu_names: list[str]) -> int:
     for run in rep["runs"]:
         path = state / "runs" / f"{run['name']}.json"
         if not path.exists():
-            path.write_text(json.dumps(run, indent=2))
+            write_json(path, run)
             added += 1
     imported = state / "imported-workload.json"
     workload = json.loads(imported.read_text()) if imported.is_file() else {}
-    imported.write_text(json.dumps({**rep.get("workload", {}), **workload}, indent=2))
+    write_json(imported, {**rep.get("workload", {}), **workload})
     print(f"{added} row(s) from {report}", flush=True)
     return added
 
@@ -822,8 +829,8 @@ def write_report(state: Path, env, command: str, out: Path) -> dict:
     """Rewritten after every run, so a run cut short still leaves the report of what finished."""
     report = build_report(state, env, command)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(markdown(report))
+    write_json(out / "report.json", report)
+    write_atomic(out / "report.md", markdown(report))
     return report
 
 
