@@ -325,7 +325,8 @@ def logged(log: Path, key: str) -> list[list]:
 def _layout(run: dict) -> str:
     """The run's batch layout and the planner's switches that change speed."""
     plan = run.get("training_plan") or {}
-    extra = [text for key, text in (("dequantize_base", "NF4 base dequantized"), ("fp8_base", "base matmuls in FP8"),
+    extra = [text for key, text in (("gradient_checkpointing", "activation checkpointing"),
+                                    ("dequantize_base", "NF4 base dequantized"), ("fp8_base", "base matmuls in FP8"),
                                     ("compile_layers", "decoder layers compiled")) if plan.get(key)]
     stats = run.get("compile_stats") or {}
     if stats.get("graph_breaks") or stats.get("cudagraph_skips"):  # a compiled row that may not be what it says

@@ -48,6 +48,16 @@ def test_training_benchmark_smoke_run_writes_the_report(tmp_path):
     assert report["cpu"]["cores"] >= 1 and all(run["host_dispatch_us"] > 0 for run in report["runs"])
 
 
+def test_the_layout_column_names_the_planners_switches_that_change_speed():
+    bench = load_benchmark("train_speed")
+    plan = {"gradient_checkpointing": True, "dequantize_base": True, "fp8_base": False, "compile_layers": True}
+    row = {"layout": "packed micro-batches of <= 10098 tokens x 1 accumulation", "training_plan": plan}
+    assert bench._layout(row) == ("packed micro-batches of <= 10098 tokens x 1 accumulation; activation checkpointing; "
+                                  "NF4 base dequantized; decoder layers compiled")
+    row["compile_stats"] = {"frames_compiled": 3, "graph_breaks": 1, "cudagraph_skips": 0}
+    assert bench._layout(row).endswith("3 frames compiled, 1 graph breaks, 0 CUDA graph recordings skipped")
+
+
 def test_two_gpu_variants_get_their_own_scaling_beside_the_plain_one(tmp_path):
     """ours-2gpu-<shape> against ours-<shape> is `ddp_2gpu_scaling`; a `2gpu-<label>` variant is paired with the
     1-GPU variant of the same label under its own key, never overwriting the plain one."""
