@@ -48,6 +48,23 @@ def test_training_benchmark_smoke_run_writes_the_report(tmp_path):
     assert report["cpu"]["cores"] >= 1 and all(run["host_dispatch_us"] > 0 for run in report["runs"])
 
 
+def test_a_workload_cut_short_while_marking_itself_done_is_made_again(tmp_path, monkeypatch):
+    """stats.json marks the workload done for every later call sharing --state: a write that fails before its end
+    leaves no stats.json (and no temp file), so the next call writes the workload again instead of trusting half."""
+    bench = load_benchmark("train_speed")
+
+    def cut(fd):
+        raise OSError("killed mid-write")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", cut)
+        with pytest.raises(OSError, match="killed mid-write"):
+            bench.write_workload(tmp_path, rows=20, vocab=64, smoke=True)
+    assert not (tmp_path / "stats.json").exists() and not list(tmp_path.glob(".*.tmp"))
+    stats = bench.write_workload(tmp_path, rows=20, vocab=64, smoke=True)
+    assert json.loads((tmp_path / "stats.json").read_text()) == stats and stats["rows"] == 20
+
+
 def test_the_layout_column_names_the_planners_switches_that_change_speed():
     bench = load_benchmark("train_speed")
     plan = {"gradient_checkpointing": True, "dequantize_base": True, "fp8_base": False, "compile_layers": True}
