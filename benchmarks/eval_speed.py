@@ -39,6 +39,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from finetune_flows.files import write_atomic, write_json  # noqa: E402  (the path above first)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before prefect reads its settings
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -430,8 +432,8 @@ def main() -> int:
         "attention_probe": [t.model_dump() for t in probe],
         "rows": rows,
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(markdown(report))
+    write_json(out / "report.json", report)
+    write_atomic(out / "report.md", markdown(report))
     print(markdown(report).split("\n\n| variant")[0].splitlines()[-1])
     print("\n| variant" + markdown(report).split("\n\n| variant")[1].split("\n\n")[0])
     print(f"report: {out}  (peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} "

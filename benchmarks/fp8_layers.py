@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from finetune_flows.config.schema import FinetuneConfig  # noqa: E402
+from finetune_flows.files import write_json  # noqa: E402
 from finetune_flows.models.float8 import float8_base  # noqa: E402
 from finetune_flows.models.sources import ARCHS  # noqa: E402
 from finetune_flows.training.compiling import compile_decoder_layers, compile_stats  # noqa: E402
@@ -157,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(report, indent=2))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+        write_json(args.out, report)
     return 0
 
 

@@ -37,7 +37,7 @@ def run_gpu_tests(work: Path, paths: list[str], append: bool = False) -> dict:
     (`--tests reuse`) can put them in its report. With `append` the results join those an earlier call left there
     (the tier split over calls: `--test-paths`). The part is recorded before it starts: one that a time limit cuts
     short keeps its log and shows as not finished, and the next part is numbered after it."""
-    from finetune_flows.store.entries import write_atomic
+    from finetune_flows.files import write_atomic
 
     summary = work / "gpu-tests.json"
     parts = json.loads(summary.read_text()).get("parts", []) if append and summary.is_file() else []
@@ -93,7 +93,7 @@ def gpu_tests(mode: str, work: Path, out: Path, paths: list[str] | None = None, 
         else:
             result = json.loads((work / "gpu-tests.json").read_text())
     finally:  # the logs go beside the report even when a signal stops the tier
-        from finetune_flows.store.entries import write_atomic
+        from finetune_flows.files import write_atomic
 
         write_atomic(out / "gpu-tests.log", combined_log(work))
         for xml in sorted(work.glob("gpu-tests*.xml")):
@@ -204,7 +204,7 @@ def markdown(report: dict) -> str:
 
 
 def save(report: dict, out: Path) -> None:
-    from finetune_flows.store.entries import write_atomic
+    from finetune_flows.files import write_atomic
 
     write_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
     write_atomic(out / "report.md", markdown(report))

@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from finetune_flows.files import write_atomic, write_json  # noqa: E402  (the path above first)
 from benchmarks.train_speed import (  # noqa: E402  (the path above first)
     MemoryPoller, child_env, generate_on_gpu, gpu_name, versions, workload_for)
 
@@ -194,8 +195,8 @@ def markdown(rep: dict) -> str:
 def write_report(out: Path, report: dict, render) -> None:
     """Rewritten after every run, so a call cut short still leaves the report of what finished."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(render(report))
+    write_json(out / "report.json", report)
+    write_atomic(out / "report.md", render(report))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         row = run_one(name)
         failed |= "error" in row
-        (kept / f"{args.shape}-{args.steps}-{name}.json").write_text(json.dumps(row, indent=2))
+        write_json(kept / f"{args.shape}-{args.steps}-{name}.json", row)  # read back as done by a later call
         rows = {r[key]: r for r in (json.loads(p.read_text())
                                     for p in sorted(kept.glob(f"{args.shape}-{args.steps}-*.json")))}
         report.update({"runs": list(rows.values()), **finish(rows)})  # finish may order the runs

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from finetune_flows.data.dataset import load_split  # noqa: E402
+from finetune_flows.files import write_json  # noqa: E402
 from finetune_flows.data.packing import PadCollator  # noqa: E402
 from finetune_flows.training.clock import StepClock, device_events, steady_state  # noqa: E402
 
@@ -71,7 +72,7 @@ def main(job_path: str) -> None:
         "layout": f"padded batches of 8 rows x {job['gradient_accumulation_steps']} accumulation, sdpa, "
                   "gradient checkpointing, fp32 upcast, LoRA dropout 0.05",
     }
-    (out / "result.json").write_text(json.dumps(result, indent=2))
+    write_json(out / "result.json", result)
 
 
 if __name__ == "__main__":

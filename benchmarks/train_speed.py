@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before prefect reads its settings
 
-from finetune_flows.store.entries import write_atomic  # noqa: E402 (needs REPO on sys.path)
+from finetune_flows.files import write_atomic  # noqa: E402 (needs REPO on sys.path)
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 EVAL_ROWS = 200

@@ -27,7 +27,7 @@ from finetune_flows.runtime.policy import check_adapter_path
 from finetune_flows.reporting.plots import publish_plots
 from finetune_flows.models.quantize import QuantizedModel
 from finetune_flows.store.runs import create_run_dir, run_label
-from finetune_flows.store.entries import write_atomic
+from finetune_flows.files import write_atomic
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 TRAINING_CONFIG = "config.resolved.yaml"

@@ -29,7 +29,8 @@ from finetune_flows.runtime.launcher import compile_caches, python_module, run_w
 from finetune_flows.logs import run_logger
 from finetune_flows.evaluation.metrics import METRICS, explain, rates
 from finetune_flows.models.quantize import QuantizedModel
-from finetune_flows.store.entries import MANIFEST, Entry, reuse_or_produce, step_state, write_atomic
+from finetune_flows.files import write_atomic
+from finetune_flows.store.entries import MANIFEST, Entry, reuse_or_produce, step_state
 
 
 class ModelScores(BaseModel):

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from finetune_flows.config.schema import FinetuneConfig
+from finetune_flows.files import write_atomic
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.runtime.environment import EnvironmentReport
 from finetune_flows.export.merge import ExportResult, link_tree, MergedModel
@@ -87,9 +88,7 @@ def place_merged(merged: MergedModel, run_dir: Path, cfg: FinetuneConfig, base: 
         shipped_adapter, config_file = run_dir / "adapter", run_dir / "config.resolved.yaml"
     card = render_card(f"{run_dir.name}: merged model", merged.model_copy(update={"path": target}), cfg, base, data,
                        env, eval_rows, shipped_adapter, config_file)
-    tmp = target / ".README.md.tmp"
-    tmp.write_text(card)
-    tmp.replace(target / "README.md")
+    write_atomic(target / "README.md", card)
     create_markdown_artifact(card, key="merged-model", description="The merged checkpoint and its model card")
     return ExportResult(**{**merged.model_dump(), "path": target, "cache_path": merged.path})
 

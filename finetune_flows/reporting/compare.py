@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from finetune_flows.files import write_atomic
+
 STAMP = re.compile(r"-(\d{8}-\d{6})-[0-9a-f]+$")
 
 # (label, how to read it from summary.json, which way is better, the smallest change that counts: relative for
@@ -126,9 +128,7 @@ def publish_comparison(run_dir: Path, summary: dict) -> Path | None:
 
     previous = previous_run(run_dir)
     text = render_comparison(run_dir, previous, summary)
-    tmp = run_dir / ".comparison.md.tmp"
-    tmp.write_text(text)
-    tmp.replace(run_dir / "comparison.md")
+    write_atomic(run_dir / "comparison.md", text)
     create_markdown_artifact(text, key="eval-vs-previous",
                              description="This run's evaluation beside the previous run of the same name")
     return previous

@@ -9,9 +9,11 @@ plots show in the run's Artifacts tab without a file server. tests/test_plots_ui
 from __future__ import annotations
 
 import base64
+import io
 from pathlib import Path
 
 from finetune_flows.evaluation.evaluate import EvalReport
+from finetune_flows.files import write_atomic
 from finetune_flows.training.train import TrainResult
 
 TRAIN_COLOR, BASE_COLOR, ADAPTER_COLOR, MERGED_COLOR = "#1f77b4", "#7f7f7f", "#d62728", "#2ca02c"
@@ -27,10 +29,9 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
-    tmp.replace(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100, bbox_inches="tight")
+    write_atomic(path, png.getvalue())
     return path
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from finetune_flows.files import write_atomic
 from finetune_flows.orchestration.caching import StepRun
 from finetune_flows.reporting.compare import publish_comparison
 from finetune_flows.evaluation.evaluate import EvalReport
@@ -60,9 +61,7 @@ def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, steps: dic
                          description="The trained LoRA adapter (load with peft.PeftModel.from_pretrained)")
     create_markdown_artifact(render_summary(result) + "\n" + plots_markdown(result.plots), key="run-summary",
                              description="Run summary: eval table, plots, where everything is")
-    tmp = run_dir / ".summary.json.tmp"
-    tmp.write_text(result.model_dump_json(indent=2))
-    tmp.replace(run_dir / "summary.json")
+    write_atomic(run_dir / "summary.json", result.model_dump_json(indent=2))
     return result
 
 

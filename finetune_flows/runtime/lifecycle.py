@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from finetune_flows.errors import UserInputError
+from finetune_flows.files import write_json
 from finetune_flows.runtime.processes import ProcessId, ancestors, remove_record_if_mine, write_record
 
 LAUNCHER_ENV = "FINETUNE_FLOWS_LAUNCHER"  # "<pid> <start time>" of the orchestrator that started this worker tree
@@ -386,12 +387,10 @@ def report_failure(workdir: Path, step: str, kind: str, message: str, split: int
     record = {"cause": kind, "message": message, "split": split}
     emit_event("failure", **record)
     path = failure_path(workdir, step, kind)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        write_json(path, record, indent=None)
     except OSError:  # the disk may be what failed; the event already carries it
-        tmp.unlink(missing_ok=True)
+        pass
 
 
 def emit_event(kind: str, **data: Any) -> None:
@@ -464,9 +463,7 @@ def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         exit_now(EXIT_CODES[kind])
     if result is not None:
-        tmp = workdir / f".{step}.result.json.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, workdir / f"{step}.result.json")
+        write_json(workdir / f"{step}.result.json", result)
     exit_now(0)
 
 

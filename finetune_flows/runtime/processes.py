@@ -14,6 +14,8 @@ from pathlib import Path
 
 import psutil
 
+from finetune_flows.files import write_atomic
+
 
 def start_time(pid: int) -> int | None:
     """Start time in clock ticks after boot (/proc/<pid>/stat field 22). Our own, not psutil's create_time(): that
@@ -96,9 +98,7 @@ class ProcessId:
 def write_record(path: Path, pid: int | None = None) -> None:
     """`<pid> <start time>` of this (or the given) process, written atomically."""
     ident = ProcessId.of(pid or os.getpid())
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{ident}\n")
-    os.replace(tmp, path)
+    write_atomic(path, f"{ident}\n")
 
 
 def read_record(path: Path) -> ProcessId | None:

@@ -23,7 +23,6 @@ import fcntl
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import socket
 import time
@@ -35,6 +34,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from finetune_flows.orchestration.concurrency import MAX_WAIT_REPORT_SECONDS, WAIT_REPORT_SECONDS
+from finetune_flows.files import write_atomic
 from finetune_flows.logs import run_logger
 
 MANIFEST = "manifest.json"
@@ -49,26 +49,6 @@ M = TypeVar("M", bound=BaseModel)
 
 class StoreError(RuntimeError):
     """A step finished without producing the outputs its entry must hold."""
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write to a temporary name beside `path`, fsync, and rename into place: readers see all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power cut
-    finally:
-        os.close(dir_fd)
 
 
 def file_digest(path: Path) -> dict[str, Any]:

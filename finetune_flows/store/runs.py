@@ -8,7 +8,7 @@ from pathlib import Path
 
 from finetune_flows.config.schema import FinetuneConfig, ModelConfig, RunConfig
 from finetune_flows.errors import UserInputError
-from finetune_flows.store.entries import write_atomic
+from finetune_flows.files import write_atomic
 
 
 def create_run_dir(cfg: FinetuneConfig) -> Path:

@@ -1,7 +1,7 @@
 """The training attempts behind one content-addressed adapter: out-of-memory adaptation, failures that repeat,
 and the accounting of all attempts together.
 
-Files in the adapter's output directory (each written to a temporary name and renamed into place):
+Files in the adapter's output directory (each written atomically: finetune_flows/files.py):
 - `adapt.json`: `{"split": S, "history": [...]}`. An out-of-memory attempt doubles S at once (no retry delay, no
   crash retry used up, the device slot stays held): every micro-batch is cut into S pieces and the gradient
   accumulation multiplied by S, so each optimizer step sees the same rows and the results do not change, only the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import signal
 import time
@@ -24,17 +23,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from finetune_flows.files import write_json
 from finetune_flows.errors import NotRetryable, RepeatedFailure, WorkerFailed, WorkerInterrupted, WorkerOOM
 from finetune_flows.logs import run_logger
 
 MAX_SPLIT = 64
 EventHandler = Callable[[dict[str, Any]], None]
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 def _read_json(path: Path, default: Any) -> Any:
@@ -66,7 +60,7 @@ def adapt_after_oom(out: Path, oom: WorkerOOM, limit: int) -> int:
     new = min(limit, 2 * split)
     history = adapt.get("history", []) + [{"split": split, "new_split": new, "message": oom.message,
                                            "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}]
-    _write_json(out / "adapt.json", {"split": new, "history": history})
+    write_json(out / "adapt.json", {"split": new, "history": history})
     return new
 
 
@@ -149,7 +143,7 @@ class AttemptLog:
 
     def save(self) -> None:
         try:
-            _write_json(self.path, self.records)
+            write_json(self.path, self.records)
         except OSError as exc:  # accounting must never be what stops training (e.g. a full disk)
             run_logger().warning("could not update %s: %s", self.path, exc)
 

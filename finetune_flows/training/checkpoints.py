@@ -4,9 +4,10 @@ resumed from."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
+
+from finetune_flows.files import write_json
 
 CHECKPOINT_MANIFEST = "finetune-flows-checkpoint.json"
 
@@ -15,9 +16,7 @@ def write_checkpoint_manifest(path: Path) -> None:
     """Written after the Trainer finished a checkpoint: the name and size of every file in it, atomically."""
     files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*"))
              if p.is_file() and p.name != CHECKPOINT_MANIFEST}
-    tmp = path / f".{CHECKPOINT_MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"files": files}))
-    os.replace(tmp, path / CHECKPOINT_MANIFEST)
+    write_json(path / CHECKPOINT_MANIFEST, {"files": files}, indent=None)
 
 
 def checkpoint_is_complete(path: Path) -> bool:

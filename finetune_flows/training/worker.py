@@ -10,7 +10,6 @@ the adapter and `train_metrics.json`. The orchestrator side is training/train.py
 from __future__ import annotations
 
 import gc
-import json
 import os
 import resource
 import shutil
@@ -22,6 +21,7 @@ from finetune_flows.training.compiling import (
     stable_gradients,
 )
 from finetune_flows.config.schema import FinetuneConfig
+from finetune_flows.files import write_json
 from finetune_flows.data.dataset import load_split
 from finetune_flows.training.distributed import (
     barrier, checkpoint_step, gather, is_writer, prepare_ranks, single_rank_defaults,
@@ -359,9 +359,7 @@ def _train(job: dict) -> dict | None:
         **(deferred.summary() if deferred is not None else
            {"compiled_at_step": 0 if tplan.compile_layers else None, "compile_seconds": None}),
     )
-    tmp_metrics = out / ".train_metrics.json.tmp"
-    tmp_metrics.write_text(json.dumps(result, indent=2))
-    os.replace(tmp_metrics, out / "train_metrics.json")
+    write_json(out / "train_metrics.json", result)
     print(f"trained {result['steps']} steps on {world} {plan.device} rank(s): loss {result['first_loss']:.4f} -> "
           f"{result['final_loss']:.4f}, {result['tokens_per_second']} tokens/s ({steady_text(steady)}), peak "
           f"reserved {result['peak_memory_mb']} MiB", flush=True)
