@@ -354,6 +354,8 @@ class Bench:
         self.runs_dir = self.state / "runs"
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         self.gpu_ids = [g.index for g in env.gpus]
+        # the card the rows ran on, by UUID: rows joined from other calls (--resume-from) name theirs
+        self.machine = next((g.uuid for g in env.gpus if g.index == self.gpu_ids[0]), None) if self.gpu_ids else None
 
     def config(self, shape: str, extra: list[str]):
         from finetune_flows.config.schema import load_config
@@ -391,7 +393,8 @@ class Bench:
         return src, QuantizedModel.model_validate_json((out / "quantization.json").read_text()), cfg, plan
 
     def record(self, name: str, result: dict) -> None:
-        result = {**result, "host_dispatch_us": host_dispatch_us()}  # the host's speed, right after the row
+        result = {**result, "host_dispatch_us": host_dispatch_us(),  # the host's speed, right after the row
+                  "machine": self.machine, "finished": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")}
         write_json(self.runs_dir / f"{name}.json", result)
 
     def record_error(self, name: str, shape: str, run: str, budget: int | None, error: str) -> None:
@@ -666,6 +669,7 @@ def markdown(rep: dict) -> str:
                      f"{r['peak_reserved_gib']} | {r['nvidia_smi_peak_gib']} | {r['eval_loss']} | "
                      f"{r.get('train_seconds')} ({r.get('warmup_overhead_seconds')}) | "
                      f"{r.get('host_dispatch_us') or '-'} | {_layout(r)} |")
+    lines += _where_rows_ran(rep)
     failed = [r for r in rep["runs"] if r.get("error")]
     if failed:
         lines += ["", "## Rows that did not run", ""]
@@ -709,6 +713,22 @@ def markdown(rep: dict) -> str:
                           f"({p['gaps_of_50us_or_more_per_step']:g} gaps of 50 us or more), before kernels launched "
                           f"by: {launch}"]
     return "\n".join(lines) + "\n"
+
+
+def _where_rows_ran(rep: dict) -> list[str]:
+    """Where rows ran on more than one machine (calls joined with --resume-from): which rows ran where, since the
+    host's speed moves host-bound rows between machines of the same card."""
+    here = {g.get("uuid") for g in rep["gpus"]}
+    groups: dict[str, list[str]] = {}
+    for r in rep["runs"]:
+        joined = r.get("joined_from")
+        where = (f"joined from `{joined['report']}` ({joined.get('date') or 'undated'}" +
+                 (f", GPU {r['machine']})" if r.get("machine") else ")") if joined else
+                 "this report's machine" if r.get("machine") in here else f"GPU {r.get('machine') or 'not recorded'}")
+        groups.setdefault(where, []).append(r["name"])
+    if len(groups) < 2:
+        return []
+    return ["", "## Where the rows ran", "", *[f"- {where}: {', '.join(names)}" for where, names in groups.items()]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -817,7 +837,8 @@ def resume_rows(report: Path, state: Path, gpu_names: list[str]) -> int:
     for run in rep["runs"]:
         path = state / "runs" / f"{run['name']}.json"
         if not path.exists():
-            write_json(path, run)
+            write_json(path, {**run, "joined_from": run.get("joined_from") or {"report": str(report),
+                                                                                "date": rep.get("date")}})
             added += 1
     imported = state / "imported-workload.json"
     workload = json.loads(imported.read_text()) if imported.is_file() else {}

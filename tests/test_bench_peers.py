@@ -134,6 +134,12 @@ def test_an_earlier_calls_rows_join_the_state_without_replacing_what_is_there(tm
     report = bench.build_report(state, SimpleNamespace(gpus=[], driver_version=None, cuda_version=None), "cmd")
     assert report["workload"] == {"qwen3-8b-4000-from151669": {"rows": 4000}}
     assert report["speedup"]["vs_best_peer"] == {"qwen3-8b": 1.67}
+    # the joined row names where it came from, and the report says which rows ran where
+    assert json.loads((state / "runs" / "ours-qwen3-8b.json").read_text())["joined_from"] == {
+        "report": str(earlier), "date": None}
+    assert "joined_from" not in json.loads((state / "runs" / "trl-qwen3-8b.json").read_text())
+    where = "\n".join(bench._where_rows_ran(report))  # a section of the report's markdown
+    assert f"joined from `{earlier}` (undated): ours-qwen3-8b" in where and "not recorded: trl-qwen3-8b" in where
 
 
 def test_a_peers_trainer_is_clocked_like_ours_and_counts_the_tokens_its_model_ran(tmp_path):
