@@ -61,7 +61,8 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before prefect reads its settings
 
-from finetune_flows.files import write_atomic  # noqa: E402 (needs REPO on sys.path)
+# rows, workload stats and reports mark work as done: written whole or not at all, so a kill cannot leave half
+from finetune_flows.files import write_atomic, write_json  # noqa: E402 (needs REPO on sys.path)
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 EVAL_ROWS = 200
@@ -69,11 +70,6 @@ SUCCESSORS = 4
 CHAIN_VOCAB = 1024  # tokens the chain uses: small enough that a short run learns it
 ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*$")  # a variant's KEY=value in capitals sets the training worker's environment
 PEERS = ("unsloth", "trl", "trl-bf16")  # benchmarks/peer_recipe.py
-
-
-def write_json(path: Path, obj) -> None:
-    """Rows, workload stats and reports mark work as done: written whole or not at all, so a kill cannot leave half."""
-    write_atomic(path, json.dumps(obj, indent=2))
 
 
 # ---------------------------------------------------------------- workload
@@ -355,7 +351,7 @@ class Bench:
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         self.gpu_ids = [g.index for g in env.gpus]
         # the card the rows ran on, by UUID: rows joined from other calls (--resume-from) name theirs
-        self.machine = next((g.uuid for g in env.gpus if g.index == self.gpu_ids[0]), None) if self.gpu_ids else None
+        self.machine = env.gpus[0].uuid if env.gpus else None
 
     def config(self, shape: str, extra: list[str]):
         from finetune_flows.config.schema import load_config
@@ -721,10 +717,14 @@ def _where_rows_ran(rep: dict) -> list[str]:
     here = {g.get("uuid") for g in rep["gpus"]}
     groups: dict[str, list[str]] = {}
     for r in rep["runs"]:
-        joined = r.get("joined_from")
-        where = (f"joined from `{joined['report']}` ({joined.get('date') or 'undated'}" +
-                 (f", GPU {r['machine']})" if r.get("machine") else ")") if joined else
-                 "this report's machine" if r.get("machine") in here else f"GPU {r.get('machine') or 'not recorded'}")
+        joined, gpu = r.get("joined_from"), r.get("machine")
+        if joined:
+            origin = ", ".join(x for x in (joined.get("date") or "undated", gpu and f"GPU {gpu}") if x)
+            where = f"joined from `{joined['report']}` ({origin})"
+        elif gpu in here:
+            where = "this report's machine"
+        else:
+            where = f"GPU {gpu or 'not recorded'}"
         groups.setdefault(where, []).append(r["name"])
     if len(groups) < 2:
         return []
