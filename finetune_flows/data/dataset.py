@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from finetune_flows.files import write_atomic
 from finetune_flows.config.schema import DataConfig, FinetuneConfig
 from finetune_flows.data.rows import normalize, read_rows
 from finetune_flows.errors import DataError
@@ -264,7 +265,7 @@ def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> Prepar
                              dropped=stats["dropped"], eval_removed_exact=removed_exact,
                              eval_removed_normalized=removed_folded,
                              folded=fold_description(d.held_out_fold_digits))
-    (out / "stats.json").write_text(result.model_dump_json(indent=2))
+    write_atomic(out / "stats.json", result.model_dump_json(indent=2))
     return result
 
 

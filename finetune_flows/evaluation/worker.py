@@ -16,6 +16,7 @@ import math
 import os
 from pathlib import Path
 
+from finetune_flows.files import write_json
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import IGNORE_INDEX, load_split
 from finetune_flows.models.dequantize import dequantized_copy
@@ -281,8 +282,7 @@ def _evaluate(job: dict) -> dict:
     report = dict(**scores, metric=cfg.eval.metric, engine=engine, dtype=dtype, kernelized=kernelized,
                   attn_implementation=attn, device=str(device), eval_rows=len(dataset), samples=samples,
                   path=str(out), references=references, predictions=answers)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_json(out, report)
     return report
 
 

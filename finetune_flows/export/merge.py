@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel
 
+from finetune_flows.files import write_json
 from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
@@ -222,7 +223,7 @@ def _export(job: dict) -> dict:
                       size_mb=round(sum(p.stat().st_size for p in out.glob("*.safetensors")) / 2**20, 1),
                       logit_error=error, top1_agreement=agreement, check_prompts=len(prompts),
                       check_tokens=tokens, device=str(device), seconds=round(time.perf_counter() - started, 1))
-        (out / RECORD).write_text(json.dumps(record, indent=2))
+        write_json(out / RECORD, record)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

@@ -7,7 +7,6 @@ settings, the compute dtype, the device, library versions and code.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from finetune_flows.files import write_json
 from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig, QuantizationConfig
 from finetune_flows.config.plan import Plan, worker_config
@@ -107,7 +107,7 @@ def _quantize(job: dict) -> dict:
                   memory_footprint_mb=round(model.get_memory_footprint() / 2**20, 2), linear4bit_layers=layers,
                   quantize_seconds=round(time.perf_counter() - started, 2), device=str(first.weight.device),
                   quant_storage=storage)
-    (out / "quantization.json").write_text(json.dumps(result, indent=2))
+    write_json(out / "quantization.json", result)  # last: marks the 4-bit base complete
     return result
 
 
