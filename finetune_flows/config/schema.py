@@ -168,8 +168,9 @@ class TrainConfig(Section):
         "shape. Needs train.packing and compiled layers; the planner leaves it off, and says so, where it does not "
         "compile the layers (the CPU) or shards them (FSDP). `true` plans the micro-batches around the graphs' memory "
         "pool; `auto`: on one GPU, where the layers of the dequantized base compile before the first step "
-        "(train.compile=true), without activation checkpointing and with room left for the pool "
-        "(the speed-up: benchmarks/README.md).")
+        "(train.compile=true), added to the plan where it leaves room for the pool, or within a memory budget "
+        "with the micro-batches re-planned around it where they keep at least half their tokens "
+        "(the speed-ups: benchmarks/README.md).")
     fp8_base: bool = Field(
         False, description="Run the frozen base's matmuls in FP8 (e4m3 weights and activations, one scale per row "
         "or token; finetune_flows/models/float8.py): FP8 tensor cores run twice the bf16 rate, but every weight and "

@@ -197,8 +197,9 @@ def plan_training(shape: ModelShape, *, cuda_graphs: bool | str = False, ranks: 
     """The plan of plan_batches (its keywords: `batches`) with CUDA graphs where asked for (`cuda_graphs`) and
     possible: on one GPU or several under DDP (`ranks` in all), the layers compiled (a checkpoint then recomputes
     inside each layer's graph: training/compiling.py) and the rows packed. `true` plans the micro-batches around the
-    graphs' pool (GRAPH_POOL); `auto` keeps the plan and holds graphs only where they were measured to pay and the
-    plan leaves room for their pool."""
+    graphs' pool (GRAPH_POOL). `auto` holds graphs only where they were measured to pay: it adds them to the plan
+    where it leaves room for their pool, and otherwise (a memory budget) takes the plan around the pool if its
+    micro-batches keep at least GRAPHS_MIN_SHARE of the tokens, the same base and the same checkpointing."""
     plan = plan_batches(shape, **batches)
     if cuda_graphs is False:
         return plan
@@ -206,6 +207,7 @@ def plan_training(shape: ModelShape, *, cuda_graphs: bool | str = False, ranks: 
                "FSDP shards the layers" if batches.get("shards", 1) > 1 else
                "the decoder layers are not compiled" if not plan.compile_layers else
                "the rows are not packed" if not plan.packing else None)
+    pooled = False  # the plan's micro-batches already planned around the graphs' pool
     if why_not is None and cuda_graphs == "auto":
         room = (plan.budget_gib - plan.predicted_peak_gib) * GIB
         why_not = (f"{ranks} ranks (measured on one)" if ranks > 1 else
@@ -213,20 +215,51 @@ def plan_training(shape: ModelShape, *, cuda_graphs: bool | str = False, ranks: 
                    if plan.compile_deferred else
                    "the base stays 4-bit (measured over the dequantized base)"
                    if batches.get("four_bit") and not plan.dequantize_base else
-                   "activation checkpointing is on (measured without it)" if plan.gradient_checkpointing else
-                   f"the plan leaves {room / GIB:.1f} GiB, less than their pool ({GRAPH_POOL / GIB:.0f} GiB)"
-                   if room < GRAPH_POOL else None)
+                   None)
+        if why_not is None and room < GRAPH_POOL:
+            around, why_not = _planned_around_the_pool(shape, plan, room, batches)
+            if around is not None:
+                plan, pooled = around, True
     if why_not:
         plan.reasons.append(f"CUDA graphs off (train.cuda_graphs={str(cuda_graphs).lower()}): {why_not}")
         return plan
     if cuda_graphs is True:  # the micro-batches planned around the graphs' pool
         plan = plan_batches(shape, graphs=True, **batches)
+        pooled = True
+    if pooled:
         peak = plan.predicted_peak_gib
     else:
         peak = round(plan.predicted_peak_gib + GRAPH_POOL / GIB, 2)
     plan.reasons.append(f"CUDA graphs: each compiled layer's passes replayed, every micro-batch padded to "
                         f"{plan.micro_batch_tokens} tokens ({GRAPH_POOL / GIB:.0f} GiB planned for their pool)")
     return plan.model_copy(update={"cuda_graphs": True, "predicted_peak_gib": peak})
+
+
+GRAPHS_MIN_SHARE = 0.5
+"""The least share of its micro-batch tokens a plan keeps when `auto` re-plans it around the graphs' pool. Measured
+within memory budgets (benchmarks/README.md): on Qwen3-0.6B within 12 GiB, 3,366 tokens with graphs against 5,049
+without ran 1.53x; on Qwen3-8B within 24 GiB (checkpointing on), 5,049 against 10,098 ran 1.05x."""
+
+
+def _planned_around_the_pool(shape: ModelShape, plan: TrainingPlan, room: float,
+                             batches: dict) -> tuple[TrainingPlan | None, str | None]:
+    """The plan of `batches` with the graphs' pool counted, where `plan` (without it) leaves only `room` bytes for
+    the pool, and it keeps what `auto` measured graphs with; else (None, why not)."""
+    left = f"the plan leaves {room / GIB:.1f} GiB, less than their pool ({GRAPH_POOL / GIB:.0f} GiB)"
+    try:
+        around = plan_batches(shape, graphs=True, **batches)
+    except ValueError:
+        return None, f"{left}, and no micro-batch fits beside it"
+    tokens, before = around.micro_batch_tokens, plan.micro_batch_tokens
+    if around.dequantize_base != plan.dequantize_base or \
+            around.gradient_checkpointing != plan.gradient_checkpointing:
+        return None, f"{left}, and a plan around it changes the base or the checkpointing"
+    if tokens is None or before is None or tokens < GRAPHS_MIN_SHARE * before:
+        return None, (f"{left}, and around it the micro-batches would hold {tokens} tokens against {before} "
+                      f"(under {GRAPHS_MIN_SHARE:.0%})")
+    around.reasons.append(f"{left}: micro-batches of {tokens} tokens with graphs rather than {before} without "
+                          f"(train.cuda_graphs=auto)")
+    return around, None
 
 
 FP8_CAPABILITY = (8, 9)  # the first NVIDIA GPUs with FP8 tensor cores (Ada; Hopper is 9.0)
