@@ -331,7 +331,8 @@ def test_cuda_graphs_auto_replans_a_budgets_micro_batches_around_their_pool(shap
 
 @pytest.mark.parametrize("shape, budget, why", [
     ("qwen3-8b", 21.5, "around it the micro-batches would hold 1268 tokens against 5072 (under 50%)"),
-    ("qwen3-8b", 20, "a plan around it changes the base or the checkpointing"),  # the pool would need the 4-bit base
+    ("qwen3-8b", 20, "a plan around it keeps the base 4-bit"),
+    ("qwen3-8b", 30, "a plan around it turns activation checkpointing on"),
     ("qwen3-0.6b", 5, "no micro-batch fits beside it"),
 ])
 def test_cuda_graphs_auto_keeps_a_budgets_plan_that_making_room_would_change_too_much(shape, budget, why):
@@ -343,3 +344,12 @@ def test_cuda_graphs_auto_keeps_a_budgets_plan_that_making_room_would_change_too
     assert not auto.cuda_graphs and auto.micro_batch_tokens == without.micro_batch_tokens
     assert auto.reasons[-1].startswith("CUDA graphs off (train.cuda_graphs=auto): the plan leaves ")
     assert auto.reasons[-1].endswith(why)
+
+
+def test_cuda_graphs_auto_keeps_a_fixed_micro_batch_the_pool_does_not_fit_beside():
+    """train.micro_batch_tokens fixes the micro-batch: `auto` cannot shrink it for the pool, so within 12 GiB a 5,049
+    micro-batch of the 0.6B shape on a bf16 base keeps its plan without graphs (`true` would plan past the budget)."""
+    args = dict(budget_gib=12, micro_batch_tokens=5049, four_bit=False)
+    auto = plan("qwen3-0.6b", GPUS["H100-80GB"], cuda_graphs="auto", compile_layers=True, **args)
+    assert not auto.cuda_graphs and auto.micro_batch_tokens == 5049 and auto.predicted_peak_gib <= auto.budget_gib
+    assert auto.reasons[-1].endswith("does not fit beside micro-batches of 5049 tokens (train.micro_batch_tokens)")

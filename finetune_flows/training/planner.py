@@ -251,9 +251,12 @@ def _planned_around_the_pool(shape: ModelShape, plan: TrainingPlan, room: float,
     except ValueError:
         return None, f"{left}, and no micro-batch fits beside it"
     tokens, before = around.micro_batch_tokens, plan.micro_batch_tokens
-    if around.dequantize_base != plan.dequantize_base or \
-            around.gradient_checkpointing != plan.gradient_checkpointing:
-        return None, f"{left}, and a plan around it changes the base or the checkpointing"
+    if around.dequantize_base != plan.dequantize_base:
+        return None, f"{left}, and a plan around it keeps the base 4-bit"
+    if around.gradient_checkpointing != plan.gradient_checkpointing:
+        return None, f"{left}, and a plan around it turns activation checkpointing on"
+    if around.budget_gib is not None and around.predicted_peak_gib > around.budget_gib:
+        return None, f"{left}, and it does not fit beside micro-batches of {tokens} tokens (train.micro_batch_tokens)"
     if tokens is None or before is None or tokens < GRAPHS_MIN_SHARE * before:
         return None, (f"{left}, and around it the micro-batches would hold {tokens} tokens against {before} "
                       f"(under {GRAPHS_MIN_SHARE:.0%})")
