@@ -331,8 +331,8 @@ def test_cuda_graphs_auto_replans_a_budgets_micro_batches_around_their_pool(shap
 
 @pytest.mark.parametrize("shape, budget, why", [
     ("qwen3-8b", 21.5, "around it the micro-batches would hold 1268 tokens against 5072 (under 50%)"),
-    ("qwen3-8b", 20, "a plan around it keeps the base 4-bit"),
-    ("qwen3-8b", 30, "a plan around it turns activation checkpointing on"),
+    ("qwen3-8b", 20, "a plan around it would keep the base 4-bit"),
+    ("qwen3-8b", 30, "a plan around it would turn activation checkpointing on"),
     ("qwen3-0.6b", 5, "no micro-batch fits beside it"),
 ])
 def test_cuda_graphs_auto_keeps_a_budgets_plan_that_making_room_would_change_too_much(shape, budget, why):

@@ -252,9 +252,9 @@ def _planned_around_the_pool(shape: ModelShape, plan: TrainingPlan, room: float,
         return None, f"{left}, and no micro-batch fits beside it"
     tokens, before = around.micro_batch_tokens, plan.micro_batch_tokens
     if around.dequantize_base != plan.dequantize_base:
-        return None, f"{left}, and a plan around it keeps the base 4-bit"
+        return None, f"{left}, and a plan around it would keep the base 4-bit"
     if around.gradient_checkpointing != plan.gradient_checkpointing:
-        return None, f"{left}, and a plan around it turns activation checkpointing on"
+        return None, f"{left}, and a plan around it would turn activation checkpointing on"
     if around.budget_gib is not None and around.predicted_peak_gib > around.budget_gib:
         return None, f"{left}, and it does not fit beside micro-batches of {tokens} tokens (train.micro_batch_tokens)"
     if tokens is None or before is None or tokens < GRAPHS_MIN_SHARE * before:
