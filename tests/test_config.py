@@ -74,6 +74,15 @@ def test_cuda_graphs_with_a_setting_that_rules_them_out_is_refused():
     assert load_config(None, ["train.packing=false", "train.compile=false"]).train.cuda_graphs == "auto"
 
 
+def test_loss_chunks_without_liger_are_refused():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.loss_chunk_tokens=1024", "train.liger_kernel=false"])
+    assert "train.loss_chunk_tokens with train.liger_kernel=false" in str(info.value)
+    assert load_config(None, ["train.loss_chunk_tokens=1024"]).train.loss_chunk_tokens == 1024
+    with pytest.raises(ConfigError, match="loss_chunk_tokens"):
+        load_config(None, ["train.loss_chunk_tokens=8"])
+
+
 def test_checkpoint_cadence_adapts_to_short_runs():
     # a run shorter than save_steps still checkpoints (at its last step): no error for `--set train.max_steps=5`
     assert load_config("configs/demo.yaml", ["train.max_steps=5"]).train.save_steps == 10

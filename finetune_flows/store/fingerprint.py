@@ -39,7 +39,7 @@ STEP_CODE: dict[str, tuple[str, ...]] = {
     "train-adapter": ("training/train", "training/worker", "data/packing", "models/attention", "training/planner",
                       "training/distributed", "training/sharding", "training/compiling", "models/dequantize",
                       "models/float8",
-                      "config/plan", "training/lean"),
+                      "config/plan", "training/lean", "training/loss_chunks"),
     "evaluate-adapter": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
                          "evaluation/static_engine", "models/dequantize", "data/packing", "models/kernels"),
     "evaluate-checkpoint": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",

@@ -145,6 +145,12 @@ def _sharded_base_bytes(shape: ModelShape, whole: float, shards: int, four_bit: 
     return whole / shards + 2 * layer + shape.vocab * shape.hidden * frozen_bytes
 
 
+def largest_chunk(tokens: int) -> int:
+    """The most tokens a chunk of Liger's fused loss holds under train.loss_chunk_tokens=`tokens`
+    (training/loss_chunks.py): twice the power of two at or above it, as Liger rounds each chunk up to one."""
+    return 2 * (1 << (tokens - 1).bit_length())
+
+
 def _logit_bytes_per_token(shape: ModelShape, fused_ce: bool) -> float:
     if fused_ce:
         return 4 * shape.hidden  # chunked: transient logits bounded to a few x hidden per token
@@ -153,10 +159,10 @@ def _logit_bytes_per_token(shape: ModelShape, fused_ce: bool) -> float:
 
 def memory_parts(shape: ModelShape, tokens: int, *, checkpointing: bool, four_bit: bool, lora_r: int,
                  lora_targets: list[str] | str, fused_ce: bool, dtype_bytes: int = 2, upcast: bool = True,
-                 shards: int = 1, graphs: bool = False) -> dict[str, float]:
+                 shards: int = 1, graphs: bool = False, loss_chunk_tokens: int | None = None) -> dict[str, float]:
     """Predicted memory of one rank for a micro-batch of `tokens` packed tokens, in bytes, by part: the frozen base,
-    the adapter (weights, gradients, AdamW moments), the activations and logits, the fixed reserve, and with `graphs`
-    the CUDA graphs' pool."""
+    the adapter (weights, gradients, AdamW moments), the activations and logits, the fixed reserve, with `graphs`
+    the CUDA graphs' pool, and with `loss_chunk_tokens` (fused loss only) the logits of one larger loss chunk."""
     frozen = 4 if upcast else dtype_bytes
     # with PEFT's fp32 upcast the embeddings hand fp32 to the first norm and bitsandbytes returns each projection in
     # its input's dtype, so every saved activation is fp32 (twice the bytes of bf16)
@@ -168,6 +174,8 @@ def memory_parts(shape: ModelShape, tokens: int, *, checkpointing: bool, four_bi
     per_token = shape.activation_bytes_per_token(checkpointing, act, act)
     per_token += _logit_bytes_per_token(shape, fused_ce)
     parts = {"base": weights, "adapter": lora, "activations": tokens * per_token, "reserve": CONTEXT_RESERVE}
+    if fused_ce and loss_chunk_tokens:
+        parts["loss_chunk"] = largest_chunk(loss_chunk_tokens) * shape.vocab * dtype_bytes  # its bf16 logits
     return parts | ({"cuda_graphs": GRAPH_POOL} if graphs else {})
 
 
@@ -300,7 +308,8 @@ def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_
                  dtype_bytes: int = 2, upcast: bool = True, per_device_rows: int = 8,
                  accumulation: int = 1, dequantize: bool = False,
                  compile_layers: bool = False, compile_deferred: bool = False, shards: int = 1,
-                 budget_gib: float | None = None, graphs: bool = False) -> TrainingPlan:
+                 budget_gib: float | None = None, graphs: bool = False,
+                 loss_chunk_tokens: int | None = None) -> TrainingPlan:
     """Choose micro-batch size, accumulation, checkpointing and whether to hold the base dequantized (asked for by
     `dequantize`). `free_mib` is the least free memory of the selected GPUs (None on the CPU), `budget_gib`
     `hardware.memory_budget_gib` (planning_bytes: what the plan may use of them). `compile_deferred` compiles the
@@ -313,7 +322,8 @@ def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_
     batches = dict(max_row=max_row, mean_row=mean_row, rows_per_step=rows_per_step, packing=packing,
                    micro_batch_tokens=micro_batch_tokens, lora_r=lora_r, lora_targets=lora_targets,
                    fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, per_device_rows=per_device_rows,
-                   accumulation=accumulation, shards=shards, budget_gib=budget_gib, graphs=graphs)
+                   accumulation=accumulation, shards=shards, budget_gib=budget_gib, graphs=graphs,
+                   loss_chunk_tokens=loss_chunk_tokens)
     plan = _plan_batches(shape, free_mib=free_mib, four_bit=four_bit, checkpointing=checkpointing, **batches)
     if not four_bit:
         return plan.model_copy(update={"compile_layers": compile_layers,
@@ -332,7 +342,8 @@ def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_
     if not fits:
         tokens = plan.micro_batch_tokens or plan.micro_batch_rows * max_row
         peak = peak_bytes(shape, tokens, checkpointing=ckpt, four_bit=False, lora_r=lora_r, lora_targets=lora_targets,
-                          fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, shards=shards, graphs=graphs)
+                          fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, shards=shards, graphs=graphs,
+                          loss_chunk_tokens=loss_chunk_tokens)
         plan.reasons.append(f"NF4 base kept 4-bit: dequantized it would need {peak / GIB:.1f} GiB at this micro-batch, "
                             f"and no micro-batch {'with' if ckpt else 'without'} activation checkpointing that holds "
                             f"the longest row fits beside the dequantized weights"
@@ -371,12 +382,13 @@ def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
                   rows_per_step: int, packing: bool, micro_batch_tokens: int | None, checkpointing: bool | str,
                   four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
                   dtype_bytes: int, upcast: bool, per_device_rows: int, accumulation: int,
-                  shards: int, budget_gib: float | None, graphs: bool,
+                  shards: int, budget_gib: float | None, graphs: bool, loss_chunk_tokens: int | None,
                   ckpt_why: str = "train.gradient_checkpointing") -> TrainingPlan:
     reasons: list[str] = []
     target = rows_per_step * mean_row
     common = dict(four_bit=four_bit, lora_r=lora_r, lora_targets=lora_targets, fused_ce=fused_ce,
-                  dtype_bytes=dtype_bytes, upcast=upcast, shards=shards, graphs=graphs and free_mib is not None)
+                  dtype_bytes=dtype_bytes, upcast=upcast, shards=shards, graphs=graphs and free_mib is not None,
+                  loss_chunk_tokens=loss_chunk_tokens)
     budget, share = planning_bytes(free_mib, budget_gib)
 
     def fits(tokens: int, ckpt: bool) -> bool:

@@ -33,6 +33,7 @@ from finetune_flows.runtime.lifecycle import training_callback
 from finetune_flows.models.quantize import torch_dtype
 from finetune_flows.training import sharding
 from finetune_flows.training.lean import lean_trainer, train_mode_once
+from finetune_flows.training.loss_chunks import liger_chunks
 from finetune_flows.models.dequantize import dequantize_model
 from finetune_flows.models.float8 import float8_base
 from finetune_flows.models.attention import packed_kernel_for, use_packed_attention
@@ -237,6 +238,9 @@ def _train(job: dict) -> dict | None:
                           gradient_accumulation_steps=tplan.gradient_accumulation_steps * split,
                           max_steps=t.max_steps, num_train_epochs=t.epochs)
         layout = f"padded batches of {rows_per_micro} rows x {batch_args['gradient_accumulation_steps']} accumulation"
+    if use_liger and t.loss_chunk_tokens:
+        liger_chunks(t.loss_chunk_tokens)
+        layout += f", Liger's loss in chunks of >= {t.loss_chunk_tokens} tokens"
     steps = batch_args["max_steps"]
     fsdp = plan.strategy == "fsdp"
     args = training_arguments(cfg, plan, tplan, out, batch_args, on_gpu, use_liger,

@@ -1,0 +1,119 @@
+"""train.loss_chunk_tokens (finetune_flows/training/loss_chunks.py): Liger's fused linear cross-entropy in chunks of
+at least the asked tokens. Liger's Triton kernels cannot run on this CPU (and liger-kernel is a GPU extra), so a
+stand-in `liger_kernel.transformers.functional` with Liger's signature and chunking (liger-kernel 0.8.5,
+ops/fused_linear_cross_entropy.py: inc_factor, chunk_size, num_chunks) computes the chunked loss in torch; the GPU
+bench measures the real one (`--variant <label>:train.loss_chunk_tokens=1024`)."""
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+
+import pytest
+import torch
+
+from finetune_flows.models.sources import ARCHS
+from finetune_flows.training.loss_chunks import chunk_mem_const, liger_chunks
+from finetune_flows.training.planner import ModelShape, largest_chunk, memory_parts
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def liger_chunk_size(rows: int, hidden: int, vocab: int, chunk_mem_const: int = 1) -> int:
+    """Liger 0.8.5's chunk size for a (rows x hidden) input and a vocab-row lm_head."""
+    inc_factor = _cdiv(vocab, chunk_mem_const * hidden)
+    return min(1 << (_cdiv(rows, inc_factor) - 1).bit_length(), rows)
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b"])
+def test_the_chunks_hold_at_least_the_asked_tokens_and_at_most_what_the_planner_counts(name):
+    shape = ModelShape.from_config(ARCHS[name])
+    for tokens in (256, 1000, 1024, 4096):
+        for rows in range(1, 40_000, 37):
+            const = chunk_mem_const(rows, shape.hidden, shape.vocab, tokens)
+            chunk = liger_chunk_size(rows, shape.hidden, shape.vocab, const)
+            assert chunk >= min(tokens, rows), (tokens, rows)
+            if const > 1:  # where it raised Liger's own (whose chunks the planner's per-token logits cover)
+                assert chunk <= largest_chunk(tokens), (tokens, rows, chunk)
+
+
+def test_liger_s_own_chunks_are_small_for_a_small_hidden_size():
+    """What the option is for: Qwen3-0.6B's micro-batches of 3,366 and 10,098 tokens in chunks of 32 and 128 tokens
+    (106 and 79 chunks, each reading the whole lm_head weight twice); with 1,024 asked, 2,048 and 2,048."""
+    shape = ModelShape.from_config(ARCHS["qwen3-0.6b"])
+    assert [liger_chunk_size(rows, shape.hidden, shape.vocab) for rows in (3366, 10098)] == [32, 128]
+    asked = [liger_chunk_size(rows, shape.hidden, shape.vocab, chunk_mem_const(rows, shape.hidden, shape.vocab, 1024))
+             for rows in (3366, 10098)]
+    assert asked == [2048, 2048]
+
+
+@pytest.fixture
+def stand_in_liger(monkeypatch):
+    """A `liger_kernel.transformers.functional` whose fused loss chunks the rows as Liger 0.8.5 does, computes each
+    chunk's cross-entropy in torch, and records the chunk sizes it used."""
+    calls: list[list[int]] = []
+
+    def liger_fused_linear_cross_entropy(input, weight, target, bias=None, ce_weight=None, ignore_index=-100,
+                                         lse_square_scale=0.0, label_smoothing=0.0, reduction="mean", softcap=None,
+                                         return_z_loss=False, accum_dtype=None, use_token_scaling=False,
+                                         return_token_accuracy=False, return_predicted_tokens=False,
+                                         chunk_mem_const: int = 1):
+        rows = input.shape[0]
+        size = liger_chunk_size(rows, input.shape[1], weight.shape[0], chunk_mem_const)
+        sizes, total = [], input.new_zeros((), dtype=torch.float32)
+        for start in range(0, rows, size):
+            logits = input[start:start + size] @ weight.t()
+            total = total + torch.nn.functional.cross_entropy(logits.float(), target[start:start + size],
+                                                              ignore_index=ignore_index, reduction="sum")
+            sizes.append(logits.shape[0])
+        calls.append(sizes)
+        return total / (target != ignore_index).sum() if reduction == "mean" else total
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
+    transformers_pkg = types.ModuleType("liger_kernel.transformers")
+    transformers_pkg.functional = functional
+    package = types.ModuleType("liger_kernel")
+    package.transformers = transformers_pkg
+    for name, module in (("liger_kernel", package), ("liger_kernel.transformers", transformers_pkg),
+                         ("liger_kernel.transformers.functional", functional)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return functional, calls
+
+
+def test_liger_chunks_makes_each_call_use_the_larger_chunks_with_the_same_loss(stand_in_liger):
+    functional, calls = stand_in_liger
+    torch.manual_seed(0)
+    hidden, vocab, rows = 64, 4096, 1000  # Liger's own chunks: 1000 / (4096 / 64) -> 16 tokens
+    x, w = torch.randn(rows, hidden), torch.randn(vocab, hidden) / 8
+    target = torch.randint(0, vocab, (rows,))
+    target[::7] = -100
+    original = functional.liger_fused_linear_cross_entropy
+    before = original(x, w, target)
+    liger_chunks(256)
+    liger_chunks(256)  # a second call wraps Liger's function, not the wrapper
+    after = functional.liger_fused_linear_cross_entropy(x, w, target, reduction="mean")
+    assert len(calls[0]) == 63 and max(calls[0]) == 16
+    assert min(calls[1][:-1]) >= 256 and sum(calls[1]) == rows and len(calls[1]) <= 4
+    torch.testing.assert_close(after, before)
+    # Liger's causal-LM loss keeps only the keywords this signature names: chunk_mem_const stays one of them
+    assert "chunk_mem_const" in inspect.signature(functional.liger_fused_linear_cross_entropy).parameters
+    assert functional.liger_fused_linear_cross_entropy.__wrapped__ is original
+
+
+def test_liger_chunks_refuses_a_liger_without_chunk_mem_const(stand_in_liger):
+    functional, _ = stand_in_liger
+    functional.liger_fused_linear_cross_entropy = lambda input, weight, target, reduction="mean": None
+    with pytest.raises(RuntimeError, match="liger-kernel >= 0.8.5"):
+        liger_chunks(1024)
+
+
+def test_the_planner_counts_the_larger_chunk_s_logits_only_with_the_fused_loss():
+    shape = ModelShape.from_config(ARCHS["qwen3-0.6b"])
+    common = dict(checkpointing=False, four_bit=False, lora_r=16, lora_targets="all-linear", upcast=False)
+    parts = memory_parts(shape, 3366, fused_ce=True, loss_chunk_tokens=1024, **common)
+    assert parts["loss_chunk"] == 2048 * shape.vocab * 2  # bf16 logits of the largest chunk
+    assert "loss_chunk" not in memory_parts(shape, 3366, fused_ce=True, **common)
+    assert "loss_chunk" not in memory_parts(shape, 3366, fused_ce=False, loss_chunk_tokens=1024, **common)
