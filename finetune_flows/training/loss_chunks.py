@@ -4,10 +4,10 @@ Liger computes the lm_head's logits, the loss and the input gradient one chunk o
 logits no larger than the micro-batch's hidden states (its `chunk_mem_const=1`). A large vocabulary over a small hidden
 size makes that a small chunk: Qwen3-0.6B (151,936 x 1,024) gets 32-128 tokens a chunk, 79-106 chunks a micro-batch,
 and each chunk's two GEMMs read the whole 311 MB lm_head weight again. With `liger_chunks(tokens)` every call gets the
-least `chunk_mem_const` whose chunks hold at least `tokens` tokens (at most twice the power of two at or
-above it: planner.largest_chunk, which the memory plan counts),
-for models whose Liger forward computes its loss through `LigerForCausalLMLoss` (Qwen, Llama, Mistral and most
-others). The loss and gradients are the same per token; only the chunking changes.
+least `chunk_mem_const` whose chunks hold at least `tokens` tokens (at most twice the power of two at or above it:
+planner.largest_chunk, which the memory plan counts), for models whose Liger forward computes its loss through
+`LigerForCausalLMLoss` (Qwen, Llama, Mistral and most others). The loss and gradients are the same per token; only
+the chunking changes.
 """
 from __future__ import annotations
 
