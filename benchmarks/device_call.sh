@@ -2,21 +2,17 @@
 # One lent-machine call of the training bench (benchmarks/README.md): installs the `bench` wheel set (carry
 # .carry/bench) once per machine, with a compile cache a former call returned if .carry/bench holds one; runs each
 # further argument as one bench invocation, all sharing --state /tmp/tb, within LIMIT seconds of the call; returns
-# under $OUT/x the log, the report, the rows' logs (no weights) and the compile cache for the next session (xz, in
-# parts of at most 15 MiB, as a file back from $OUT may hold 16: copy the parts into .carry/bench).
+# under $OUT/x the log, the report, the rows' logs (no weights) and the compile cache for the next session
+# (benchmarks/compile_cache.sh: copy its parts into .carry/bench).
 #   bash benchmarks/device_call.sh 560 1 "--shapes qwen3-8b --runs ours,unsloth,trl --budgets 24" "..."
 LIMIT=$1; TAG=$2; shift 2
-xzc() { if command -v xz >/dev/null; then xz -T0 -6; else python3 -c 'import lzma, shutil, sys
-out = lzma.open(sys.stdout.buffer, "wb", preset=3); shutil.copyfileobj(sys.stdin.buffer, out); out.close()'; fi; }
-xzd() { if command -v xz >/dev/null; then xz -dc; else python3 -c 'import lzma, shutil, sys
-shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)'; fi; }
 mkdir -p $OUT/x
 if [ ! -e /tmp/site/.done ]; then
   (cd .carry/bench && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site $(cat site.txt) \
     && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/peers $(cat peers.txt)) && touch /tmp/site/.done
   printf "import site\nsite.addsitedir('/tmp/site')\n" > /tmp/site/sitecustomize.py
   if ls .carry/bench/compile-cache.tar.xz* >/dev/null 2>&1; then
-    mkdir -p /tmp/tb/cache && cat .carry/bench/compile-cache.tar.xz* | xzd | tar xf - -C /tmp/tb/cache
+    bash benchmarks/compile_cache.sh unpack /tmp/tb/cache .carry/bench/compile-cache.tar.xz*
   fi
 fi
 echo "installed at $SECONDS s"
@@ -32,5 +28,5 @@ for args in "$@"; do
 done
 grep -h "tokens/s\|FAILED\|ready in" $OUT/x/bench-$TAG.log | cut -c1-300
 tar czf $OUT/x/logs-$TAG.tgz -C /tmp/tb --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' --exclude='*.pth' out 2>/dev/null
-tar cf - -C /tmp/tb/cache compile 2>/dev/null | xzc | split -b 15M -d - $OUT/x/compile-cache.tar.xz.
+bash benchmarks/compile_cache.sh pack /tmp/tb/cache $OUT/x/compile-cache.tar.xz. 2>/dev/null
 ls -la $OUT/x
