@@ -244,9 +244,8 @@ def plan_training(shape: ModelShape, *, cuda_graphs: bool | str = False, ranks: 
 
 
 GRAPHS_MIN_SHARE = 0.5
-"""The least share of its micro-batch tokens a plan keeps when `auto` re-plans it around the graphs' pool. Measured
-within memory budgets (benchmarks/README.md): on Qwen3-0.6B within 12 GiB, 3,366 tokens with graphs against 5,049
-without ran 1.53x; on Qwen3-8B within 24 GiB (checkpointing on), 5,049 against 10,098 ran 1.05x."""
+"""The least share of its micro-batch tokens a plan keeps when `auto` re-plans it around the graphs' pool: the
+shares at which graphs were measured to pay within a budget (docs/gpus.md, CUDA graphs)."""
 
 
 def _planned_around_the_pool(shape: ModelShape, plan: TrainingPlan, room: float,
