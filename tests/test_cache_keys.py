@@ -60,6 +60,8 @@ def alternative(model: type[BaseModel], name: str, value: object) -> object:
         return not value
     if bool in options and value == "auto":  # bool | Literal["auto"]
         return True
+    if int in options and value == "auto":  # int | Literal["auto"] | None
+        return 64
     if literals and typing.get_origin(annotation) is typing.Literal:
         return literals[0]
     if isinstance(value, int):

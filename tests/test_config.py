@@ -74,13 +74,19 @@ def test_cuda_graphs_with_a_setting_that_rules_them_out_is_refused():
     assert load_config(None, ["train.packing=false", "train.compile=false"]).train.cuda_graphs == "auto"
 
 
-def test_loss_chunks_without_liger_are_refused():
+def test_loss_chunks_asked_for_without_liger_are_refused():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["train.loss_chunk_tokens=1024", "train.liger_kernel=false"])
     assert "train.loss_chunk_tokens with train.liger_kernel=false" in str(info.value)
     assert load_config(None, ["train.loss_chunk_tokens=1024"]).train.loss_chunk_tokens == 1024
     with pytest.raises(ConfigError, match="loss_chunk_tokens"):
         load_config(None, ["train.loss_chunk_tokens=8"])
+    # the default (`auto`, the planner's choice) and `null` (Liger's own chunks) go with Liger off as well
+    assert load_config(None, ["train.liger_kernel=false"]).train.loss_chunk_tokens == "auto"
+    assert load_config(None, ["train.loss_chunk_tokens=null", "train.liger_kernel=false"]).train.loss_chunk_tokens \
+        is None
+    with pytest.raises(ConfigError, match="loss_chunk_tokens"):
+        load_config(None, ["train.loss_chunk_tokens=automatic"])
 
 
 def test_checkpoint_cadence_adapts_to_short_runs():

@@ -2,7 +2,8 @@
 at least the asked tokens. Liger's Triton kernels cannot run on this CPU (and liger-kernel is a GPU extra), so a
 stand-in `liger_kernel.transformers.functional` with Liger's signature and chunking (liger-kernel 0.8.5,
 ops/fused_linear_cross_entropy.py: inc_factor, chunk_size, num_chunks) computes the chunked loss in torch; the GPU
-bench measures the real one (`--variant <label>:train.loss_chunk_tokens=1024`)."""
+bench measures the real one (`--variant <label>:train.loss_chunk_tokens=1024`). `auto` (the default): the planner's
+choice, tested here on the benchmark's shapes and budgets."""
 from __future__ import annotations
 
 import inspect
@@ -14,7 +15,8 @@ import torch
 
 from finetune_flows.models.sources import ARCHS
 from finetune_flows.training.loss_chunks import chunk_mem_const, liger_chunks
-from finetune_flows.training.planner import ModelShape, largest_chunk, memory_parts
+from finetune_flows.training.planner import (AUTO_LOSS_CHUNK_TOKENS, ModelShape, largest_chunk, memory_parts,
+                                             plan_training)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -117,3 +119,49 @@ def test_the_planner_counts_the_larger_chunk_s_logits_only_with_the_fused_loss()
     assert parts["loss_chunk"] == 2048 * shape.vocab * 2  # bf16 logits of the largest chunk
     assert "loss_chunk" not in memory_parts(shape, 3366, fused_ce=True, **common)
     assert "loss_chunk" not in memory_parts(shape, 3366, fused_ce=False, loss_chunk_tokens=1024, **common)
+
+
+def _plan(shape: str, budget: float | None, loss_chunk_tokens, fused_ce: bool = True):
+    return plan_training(ModelShape.from_config(ARCHS[shape]), free_mib=141 * 1024, max_row=1024, mean_row=317.0,
+                         rows_per_step=32, packing=True, micro_batch_tokens=None, checkpointing="auto",
+                         four_bit=True, lora_r=16, lora_targets="all-linear", fused_ce=fused_ce, upcast=False,
+                         dequantize=True, compile_layers=True, cuda_graphs="auto", budget_gib=budget,
+                         loss_chunk_tokens=loss_chunk_tokens)
+
+
+PLAN_KEYS = ("micro_batch_tokens", "gradient_accumulation_steps", "gradient_checkpointing", "dequantize_base",
+             "cuda_graphs")
+
+
+@pytest.mark.parametrize("shape, budget", [("qwen3-0.6b", None), ("qwen3-0.6b", 12), ("qwen3-8b", None),
+                                           ("qwen3-8b", 24)])
+def test_auto_takes_1024_token_chunks_where_the_benchmarks_plans_stay_as_they_are(shape, budget):
+    """The benchmark's shapes and budgets, where the 1,024-token chunks were measured (docs/gpus.md): the same plan
+    as with Liger's own chunks, plus the larger chunk's logits."""
+    own, auto = _plan(shape, budget, None), _plan(shape, budget, "auto")
+    assert auto.loss_chunk_tokens == AUTO_LOSS_CHUNK_TOKENS == 1024 and own.loss_chunk_tokens is None
+    assert [getattr(auto, k) for k in PLAN_KEYS] == [getattr(own, k) for k in PLAN_KEYS]
+    assert auto.predicted_peak_gib > own.predicted_peak_gib
+    assert any("chunks of at least 1024 tokens (train.loss_chunk_tokens=auto)" in r for r in auto.reasons)
+
+
+def test_auto_keeps_liger_s_own_chunks_where_the_larger_ones_would_change_the_plan():
+    """Across budgets, `auto` is the chunked plan where that plan keeps everything else, and Liger's own (saying why)
+    where the chunk's logits would cost micro-batch tokens, checkpointing or graphs; both cases occur."""
+    seen = set()
+    for tenths in range(50, 200, 2):
+        budget = tenths / 10
+        own, chunked, auto = (_plan("qwen3-0.6b", budget, x) for x in (None, 1024, "auto"))
+        same = [getattr(chunked, k) for k in PLAN_KEYS] == [getattr(own, k) for k in PLAN_KEYS]
+        assert auto.loss_chunk_tokens == (1024 if same else None), budget
+        assert [getattr(auto, k) for k in PLAN_KEYS] == [getattr(own, k) for k in PLAN_KEYS], budget
+        if not same:
+            assert "Liger's own loss chunks (train.loss_chunk_tokens=auto)" in auto.reasons[-1]
+        seen.add(same)
+    assert seen == {True, False}
+
+
+def test_chunks_only_where_liger_s_fused_loss_runs():
+    assert _plan("qwen3-0.6b", None, "auto", fused_ce=False).loss_chunk_tokens is None
+    assert _plan("qwen3-0.6b", None, 2048, fused_ce=False).loss_chunk_tokens is None
+    assert _plan("qwen3-0.6b", None, 2048).loss_chunk_tokens == 2048

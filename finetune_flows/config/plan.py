@@ -114,5 +114,6 @@ def worker_config(cfg: FinetuneConfig, plan: Plan, gpu_ids: list[int], data_form
         out["train"].update(
             precision=plan.precision, liger_kernel=plan.liger, upcast_frozen=plan.upcast_frozen,
             dequantize_base=t.dequantize_base, compile=t.compile_layers, cuda_graphs=t.cuda_graphs,
-            gradient_checkpointing=t.gradient_checkpointing, micro_batch_tokens=t.micro_batch_tokens or None)
+            gradient_checkpointing=t.gradient_checkpointing, micro_batch_tokens=t.micro_batch_tokens or None,
+            loss_chunk_tokens=t.loss_chunk_tokens)
     return out

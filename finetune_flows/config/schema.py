@@ -13,7 +13,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -148,12 +148,13 @@ class TrainConfig(Section):
     liger_kernel: bool | Literal["auto"] = Field(
         "auto", description="Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) "
         "through the Trainer; `auto`: on NVIDIA GPUs where liger-kernel is installed (`pip install .[gpu]`).")
-    loss_chunk_tokens: int | None = Field(
-        None, ge=64, description="Tokens per chunk of Liger's fused linear cross-entropy, at least (rounded up to a "
+    loss_chunk_tokens: Annotated[int, Field(ge=64)] | Literal["auto"] | None = Field(
+        "auto", description="Tokens per chunk of Liger's fused linear cross-entropy, at least (rounded up to a "
         "power of two, at most twice that): each chunk's GEMMs read the whole lm_head weight, and Liger's own "
         "chunks hold logits no larger than the hidden states, so a large vocabulary over a small hidden size makes "
-        "many small chunks (Qwen3-0.6B: 32-128 tokens). The planner counts the larger chunk's logits. `null`: "
-        "Liger's chunks. Only where Liger runs (train.liger_kernel).")
+        "many small chunks (Qwen3-0.6B: 32-128 tokens). The planner counts the larger chunk's logits. `auto`: "
+        "1024 where the planner finds they change nothing else in the plan (micro-batches, checkpointing, base, "
+        "CUDA graphs); `null`: Liger's chunks. Only where Liger runs (train.liger_kernel).")
     dequantize_base: bool | Literal["auto"] = Field(
         "auto", description="Hold the NF4 base dequantized in the compute dtype while training: exactly the "
         "weights every 4-bit matmul multiplies by (bitsandbytes dequantizes them on every call), so the adapter "
@@ -510,7 +511,7 @@ def consistency_problems(cfg: FinetuneConfig) -> list[str]:
     if cfg.hardware.strategy == "fsdp" and t.upcast_frozen is True:
         problems.append("hardware.strategy=fsdp with train.upcast_frozen=true: FSDP2 shards units of one dtype, so "
                         "frozen weights stay in the compute dtype; set train.upcast_frozen to auto or false")
-    if t.loss_chunk_tokens is not None and t.liger_kernel is False:
+    if t.loss_chunk_tokens not in (None, "auto") and t.liger_kernel is False:
         problems.append("train.loss_chunk_tokens with train.liger_kernel=false: the chunks are those of Liger's fused "
                         "loss")
     if t.cuda_graphs is True:

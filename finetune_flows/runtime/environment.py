@@ -215,7 +215,8 @@ def budget_shortfall(cfg: FinetuneConfig, plan: Plan) -> str | None:
     shards = world_size(cfg, plan) if plan.strategy == "fsdp" else 1
     parts = memory_parts(shape, tokens, checkpointing=True, four_bit=four_bit, lora_r=cfg.lora.r,
                          lora_targets=cfg.lora.target_modules, fused_ce=plan.liger,
-                         loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                         loss_chunk_tokens=None if cfg.train.loss_chunk_tokens == "auto" else
+                         cfg.train.loss_chunk_tokens,  # auto: none where they do not fit
                          dtype_bytes=4 if plan.compute_dtype == "float32" else 2, upcast=plan.upcast_frozen,
                          shards=shards)
     need = sum(parts.values())

@@ -128,6 +128,7 @@ class TrainingPlan(BaseModel):
     compile_deferred: bool = False  # ... only once the first steps show the run repays it (training/compiling.py)
     cuda_graphs: bool = False  # ... replayed as CUDA graphs, every micro-batch padded to micro_batch_tokens
     fp8_base: bool = False  # the dequantized base's matmuls in FP8 (models/float8.py)
+    loss_chunk_tokens: int | None = None  # Liger's loss in chunks of at least this many tokens (loss_chunks.py)
 
 
 def _linear_bytes_per_param(four_bit: bool, dtype_bytes: int) -> float:
@@ -201,7 +202,44 @@ def planning_bytes(free_mib: int | None, budget_gib: float | None = None) -> tup
     return allocator_bytes(budget_gib), f"hardware.memory_budget_gib={budget_gib:g} less {outside}"
 
 
-def plan_training(shape: ModelShape, *, cuda_graphs: bool | str = False, ranks: int = 1, **batches) -> TrainingPlan:
+AUTO_LOSS_CHUNK_TOKENS = 1024
+"""The loss chunks `train.loss_chunk_tokens: auto` asks for: the size measured fastest on the Qwen3-0.6B shape
+(docs/gpus.md, the loss in larger chunks)."""
+
+
+def plan_training(shape: ModelShape, *, loss_chunk_tokens: int | str | None = None,
+                  **batches) -> TrainingPlan:
+    """The plan of _plan_with_graphs (its keywords: `batches`) with Liger's loss in chunks of at least
+    `loss_chunk_tokens` tokens (training/loss_chunks.py). `auto`: AUTO_LOSS_CHUNK_TOKENS where Liger's fused loss
+    runs and the larger chunk's logits leave the plan's micro-batches, checkpointing, base and graphs as they are
+    without it; else Liger's own chunks."""
+    if loss_chunk_tokens != "auto":
+        plan = _plan_with_graphs(shape, loss_chunk_tokens=loss_chunk_tokens, **batches)
+        chunks = loss_chunk_tokens if batches.get("fused_ce") else None
+        return plan.model_copy(update={"loss_chunk_tokens": chunks})
+    plain = _plan_with_graphs(shape, loss_chunk_tokens=None, **batches)
+    if not batches.get("fused_ce"):
+        return plain
+    tokens = AUTO_LOSS_CHUNK_TOKENS
+    try:
+        chunked = _plan_with_graphs(shape, loss_chunk_tokens=tokens, **batches)
+    except ValueError:
+        chunked = None
+    kept = ("micro_batch_tokens", "micro_batch_rows", "gradient_accumulation_steps", "gradient_checkpointing",
+            "dequantize_base", "cuda_graphs")
+    if chunked is None or any(getattr(chunked, k) != getattr(plain, k) for k in kept) or (
+            chunked.budget_gib is not None and chunked.predicted_peak_gib > chunked.budget_gib):
+        plain.reasons.append(f"Liger's own loss chunks (train.loss_chunk_tokens=auto): the logits of chunks of "
+                             f"{tokens} tokens ({largest_chunk(tokens) * shape.vocab * 2 / GIB:.2f} GiB) would "
+                             f"change the plan")
+        return plain
+    chunked.reasons.append(f"Liger's loss in chunks of at least {tokens} tokens (train.loss_chunk_tokens=auto): "
+                           f"fewer passes over the lm_head weight")
+    return chunked.model_copy(update={"loss_chunk_tokens": tokens})
+
+
+def _plan_with_graphs(shape: ModelShape, *, cuda_graphs: bool | str = False, ranks: int = 1,
+                      **batches) -> TrainingPlan:
     """The plan of plan_batches (its keywords: `batches`) with CUDA graphs where asked for (`cuda_graphs`) and
     possible: on one GPU or several under DDP (`ranks` in all), the layers compiled (a checkpoint then recomputes
     inside each layer's graph: training/compiling.py) and the rows packed. `true` plans the micro-batches around the

@@ -238,9 +238,9 @@ def _train(job: dict) -> dict | None:
                           gradient_accumulation_steps=tplan.gradient_accumulation_steps * split,
                           max_steps=t.max_steps, num_train_epochs=t.epochs)
         layout = f"padded batches of {rows_per_micro} rows x {batch_args['gradient_accumulation_steps']} accumulation"
-    if use_liger and t.loss_chunk_tokens:
-        liger_chunks(t.loss_chunk_tokens)
-        layout += f", Liger's loss in chunks of >= {t.loss_chunk_tokens} tokens"
+    if use_liger and tplan.loss_chunk_tokens:
+        liger_chunks(tplan.loss_chunk_tokens)
+        layout += f", Liger's loss in chunks of >= {tplan.loss_chunk_tokens} tokens"
     steps = batch_args["max_steps"]
     fsdp = plan.strategy == "fsdp"
     args = training_arguments(cfg, plan, tplan, out, batch_args, on_gpu, use_liger,
