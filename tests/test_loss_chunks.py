@@ -13,6 +13,9 @@ import types
 import pytest
 import torch
 
+from finetune_flows.config.plan import loss_chunk_setting, takes_chunk_sizes
+from finetune_flows.config.schema import load_config
+from finetune_flows.errors import UserInputError
 from finetune_flows.models.sources import ARCHS
 from finetune_flows.training.loss_chunks import chunk_mem_const, liger_chunks
 from finetune_flows.training.planner import (AUTO_LOSS_CHUNK_TOKENS, ModelShape, largest_chunk, memory_parts,
@@ -165,3 +168,25 @@ def test_chunks_only_where_liger_s_fused_loss_runs():
     assert _plan("qwen3-0.6b", None, "auto", fused_ce=False).loss_chunk_tokens is None
     assert _plan("qwen3-0.6b", None, 2048, fused_ce=False).loss_chunk_tokens is None
     assert _plan("qwen3-0.6b", None, 2048).loss_chunk_tokens == 2048
+
+
+def test_only_a_liger_that_sizes_its_chunks_is_taken_for_one():
+    assert takes_chunk_sizes("0.8.5") and takes_chunk_sizes("0.9.1") and takes_chunk_sizes("1.0.0")
+    assert not takes_chunk_sizes("0.8.4") and not takes_chunk_sizes("0.6.2") and not takes_chunk_sizes("0.8.5.dev1")
+    assert not takes_chunk_sizes(None)
+
+
+def test_an_older_liger_keeps_its_own_chunks_under_auto_and_refuses_a_size_before_loading():
+    """Liger before 0.8.5 has no `chunk_mem_const`: `auto` plans with Liger's own chunks there, and a size asked for
+    stops the run when the environment is verified, naming the key and the installed version."""
+    cfg = load_config(None, [])
+    assert cfg.train.loss_chunk_tokens == "auto"
+    assert loss_chunk_setting(cfg, True, "0.8.4") is None
+    assert loss_chunk_setting(cfg, True, "0.8.5") == "auto"
+    assert loss_chunk_setting(cfg, False, "0.8.4") == "auto"  # Liger off: nothing to size (the planner ignores it)
+    sized = load_config(None, ["train.loss_chunk_tokens=1024"])
+    assert loss_chunk_setting(sized, True, "0.8.5") == 1024
+    with pytest.raises(UserInputError, match=r"train.loss_chunk_tokens=1024 needs liger-kernel >= 0.8.5 .*"
+                                             r"installed: 0.8.4"):
+        loss_chunk_setting(sized, True, "0.8.4")
+    assert loss_chunk_setting(load_config(None, ["train.loss_chunk_tokens=null"]), True, "0.8.4") is None

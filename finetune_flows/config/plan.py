@@ -9,6 +9,7 @@ compiles the layers once the first steps show the run repays it (finetune_flows/
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from typing import Any, Literal
 
@@ -57,6 +58,38 @@ def liger_setting(cfg: FinetuneConfig, device: str) -> bool:
     return device == "cuda" and installed and want in (True, "auto")
 
 
+CHUNK_SIZES_SINCE = "0.8.5"  # the first liger-kernel whose fused loss takes `chunk_mem_const` (loss_chunks.py)
+
+
+def liger_version() -> str | None:
+    """The installed liger-kernel's version (None: not installed), read without importing it (Triton)."""
+    try:
+        return importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def takes_chunk_sizes(version: str | None) -> bool:
+    """Whether a liger-kernel of `version` sizes its loss chunks (`chunk_mem_const`); None: not installed."""
+    from packaging.version import Version
+
+    return version is not None and Version(version) >= Version(CHUNK_SIZES_SINCE)
+
+
+def loss_chunk_setting(cfg: FinetuneConfig, liger: bool, version: str | None) -> int | str | None:
+    """train.loss_chunk_tokens as the installed liger-kernel (`version`) can honour it, for the memory planner: `auto`
+    keeps Liger's own chunks on a Liger that cannot size them; a size asked for there is refused before any model
+    loads."""
+    want = cfg.train.loss_chunk_tokens
+    if not liger or want is None or takes_chunk_sizes(version):
+        return want
+    if want == "auto":
+        return None
+    raise UserInputError(f"train.loss_chunk_tokens={want} needs liger-kernel >= {CHUNK_SIZES_SINCE} (it sizes the "
+                         f"fused loss's chunks); installed: {version}. Upgrade it (pip install .[gpu]) or set "
+                         "train.loss_chunk_tokens to auto or null")
+
+
 # A step of a small model on a GPU is bound by the host's kernel launches, which holding the base dequantized (no
 # per-call dequantization) and compiling the layers both cut, at the same eval loss (benchmarks/results/
 # train-bench-1xGPU-20261201-032103/NOTE.md).
@@ -86,7 +119,9 @@ def upcast_setting(cfg: FinetuneConfig) -> bool:
 
 def training_settings(cfg: FinetuneConfig, device: str, strategy: str) -> dict[str, Any]:
     """The plan's training fields (Liger, upcast, dequantize, compile) for this device and strategy."""
-    return {"liger": liger_setting(cfg, device), "upcast_frozen": upcast_setting(cfg),
+    liger = liger_setting(cfg, device)
+    loss_chunk_setting(cfg, liger, liger_version())  # refuses a chunk size this Liger cannot honour, now
+    return {"liger": liger, "upcast_frozen": upcast_setting(cfg),
             "dequantize_base": dequantize_setting(cfg, device, strategy),
             "compile": compile_setting(cfg, device, strategy)}
 
