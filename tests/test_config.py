@@ -39,6 +39,19 @@ def test_every_problem_is_reported_at_once(tmp_path):
     assert len(info.value.problems) == 5
 
 
+def test_a_key_that_takes_a_value_or_auto_gets_one_line_naming_both():
+    """pydantic checks each member of a union on its own (`true`/`false` and `auto`): its errors become one line."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.gradient_checkpointing=sometimes", "train.loss_chunk_tokens=32",
+                           "lora.target_modules=[q_proj, 5]", "train.learning_rate=fast"])
+    assert sorted(info.value.problems) == sorted([
+        "train.gradient_checkpointing: Input should be a valid boolean or 'auto' (got 'sometimes')",
+        "train.loss_chunk_tokens: Input should be greater than or equal to 64 or 'auto' (got 32)",
+        "train.learning_rate: Input should be a valid number, unable to parse string as a number (got 'fast')",
+        "lora.target_modules: Input should be a valid string (item 1) or 'all-linear' (got ['q_proj', 5])",
+    ])
+
+
 def test_overrides_are_typed_and_nested(tmp_path):
     cfg = load_config(REPO / "configs/demo.yaml",
                       ["train.learning_rate=1e-4", "lora.target_modules=[q_proj, v_proj]", "train.max_steps=30",

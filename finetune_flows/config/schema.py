@@ -12,6 +12,8 @@ import hashlib
 import json
 import os
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -475,14 +477,53 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
 
 
+SHOULD = "Input should be "  # how pydantic starts a type or constraint error
+
+
+def _union_depth(loc: tuple) -> int:
+    """How many parts of `loc` name a config field whose type is a union, where pydantic's error adds a part naming
+    the union's member (`bool`, `literal['auto']`, ...) and, within it, where; 0 where it does not name one."""
+    model: type[BaseModel] = FinetuneConfig
+    for depth, part in enumerate(loc, start=1):
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return 0
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+            continue
+        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        return depth if union and len(loc) > depth else 0
+    return 0
+
+
 def _describe(errors: list[dict[str, Any]]) -> list[str]:
-    problems = []
+    """One line per key: a union's members (`true`, `false` or `auto`) each fail on their own, and their messages
+    are joined into one ("Input should be a valid boolean or 'auto'")."""
+    keys: dict[str, dict[str, Any]] = {}
     for err in errors:
-        key = ".".join(str(p) for p in err["loc"])
+        loc = tuple(err["loc"])
+        depth = _union_depth(loc)
+        key = ".".join(str(p) for p in (loc[:depth] if depth else loc))
+        line = keys.setdefault(key, {"should": [], "other": [], "got": err.get("input"), "unknown": False})
+        msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            problems.append(f"{key}: unknown key")
+            line["unknown"] = True
+        elif depth and msg.startswith(SHOULD):  # "Input should be a valid integer, unable to ..." -> "a valid integer"
+            where = loc[depth + 1:]  # within the member (loc[depth] names it)
+            line["should"].append(msg.removeprefix(SHOULD).split(", ")[0]
+                                  + (f" (item {'.'.join(map(str, where))})" if where else ""))
         else:
-            problems.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
+            line["other"].append(msg)
+        if depth and len(loc) == depth + 1:  # the whole value, where an item's error came first
+            line["got"] = err.get("input")
+    problems = []
+    for key, line in keys.items():
+        if line["unknown"]:
+            problems.append(f"{key}: unknown key")
+            continue
+        said = [SHOULD + " or ".join(dict.fromkeys(line["should"]))] if line["should"] else []
+        problems.append(f"{key}: {'; '.join(said + list(dict.fromkeys(line['other'])))} (got {line['got']!r})")
     return problems
 
 
