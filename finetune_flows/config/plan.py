@@ -119,9 +119,7 @@ def upcast_setting(cfg: FinetuneConfig) -> bool:
 
 def training_settings(cfg: FinetuneConfig, device: str, strategy: str) -> dict[str, Any]:
     """The plan's training fields (Liger, upcast, dequantize, compile) for this device and strategy."""
-    liger = liger_setting(cfg, device)
-    loss_chunk_setting(cfg, liger, liger_version())  # refuses a chunk size this Liger cannot honour, now
-    return {"liger": liger, "upcast_frozen": upcast_setting(cfg),
+    return {"liger": liger_setting(cfg, device), "upcast_frozen": upcast_setting(cfg),
             "dequantize_base": dequantize_setting(cfg, device, strategy),
             "compile": compile_setting(cfg, device, strategy)}
 
