@@ -670,8 +670,10 @@ def markdown(rep: dict) -> str:
     if failed:
         lines += ["", "## Rows that did not run", ""]
         for r in failed:
-            lines += [f"- **{r['name']}** (budget {r.get('memory_budget_gib') or 'none'}):", "", "```",
-                      *r["error"].splitlines()[-25:], "```", ""]
+            error = r["error"].splitlines()
+            shown = error if len(error) <= 25 else [error[0], "...", *error[-23:]]  # what failed, then its tail
+            lines += [f"- **{r['name']}** (budget {r.get('memory_budget_gib') or 'none'}):", "", "```", *shown,
+                      "```", ""]
     lines += ["", "## Speedup (ours / seed, steady-state real tokens/s)", ""]
     lines += [f"- {k}: {v}" for k, v in rep["speedup"].items() if k != "vs_best_peer"]
     if rep["speedup"].get("vs_best_peer"):
@@ -815,8 +817,10 @@ def main(argv: list[str] | None = None) -> int:
                         job()
                     except Exception as exc:  # the row keeps its error; the others still run
                         failures += 1
+                        cause = getattr(exc, "message", "")  # a WorkerOOM's own line, under torchrun's tail
                         bench.record_error(f"{run}-{shape}{budget_suffix(budget)}", shape,
-                                           run.removesuffix("-profile"), budget, f"{type(exc).__name__}: {exc}")
+                                           run.removesuffix("-profile"), budget,
+                                           f"{type(exc).__name__}: {exc}" + (f"\n{cause}" if cause else ""))
                     write_report(state, env, command, out)
     print(markdown(write_report(state, env, command, out)))
     print(f"report: {out}", flush=True)

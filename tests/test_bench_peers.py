@@ -40,7 +40,11 @@ def test_ours_over_the_fastest_peer_per_shape_and_budget_and_failed_rows_keep_th
             row("unsloth-qwen3-8b-24gib", "unsloth", "qwen3-8b", 12.0, 24),
             row("trl-qwen3-8b", "trl", "qwen3-8b", 60.0),
             # a peer without an ours row of its shape and budget gives no ratio
-            row("trl-qwen3-8b-12gib", "trl", "qwen3-8b", 5.0, 12)]
+            row("trl-qwen3-8b-12gib", "trl", "qwen3-8b", 5.0, 12),
+            # a long error: its first line (what failed) and its tail both shown
+            row("unsloth-qwen3-8b", "unsloth", "qwen3-8b", None,
+                error="\n".join(["WorkerOOM: train worker exited with code 1; last output:",
+                                  *(f"torchrun line {i}" for i in range(40)), "CUDA out of memory. Tried 120 MiB"]))]
     (tmp_path / "runs").mkdir()
     for r in runs:
         (tmp_path / "runs" / f"{r['name']}.json").write_text(json.dumps(r))
@@ -57,6 +61,9 @@ def test_ours_over_the_fastest_peer_per_shape_and_budget_and_failed_rows_keep_th
     table = md.split("## Rows that did not run")[0]
     assert "| trl-bf16-qwen3-0.6b |" not in table and "| ours-qwen3-8b-24gib | 24 |" in table
     assert "**trl-bf16-qwen3-0.6b** (budget none)" in md and "torch.OutOfMemoryError: CUDA out of memory" in md
+    long = md.split("**unsloth-qwen3-8b** (budget none):")[1].split("```")[1].splitlines()
+    assert long[1:3] == ["WorkerOOM: train worker exited with code 1; last output:", "..."]
+    assert long[-1] == "CUDA out of memory. Tried 120 MiB" and len(long) == 26, long
     assert "- qwen3-8b-24gib: 2.5 (against unsloth-qwen3-8b-24gib)" in md
     assert "- qwen3-8b-24gib:cg: 3.0 (against unsloth-qwen3-8b-24gib)" in md
 

@@ -10,7 +10,8 @@ import pytest
 from conftest import REPO, child_env
 
 from eval_support import tiny_quantized, trained_once
-from finetune_flows.training.planner import TrainingPlan, with_fp8_base
+from finetune_flows.models.sources import ARCHS
+from finetune_flows.training.planner import ModelShape, TrainingPlan, plan_training, with_fp8_base
 
 
 def relative_error(a, b) -> float:
@@ -100,6 +101,31 @@ def test_the_planner_holds_the_fp8_base_where_asked_and_possible_with_the_same_m
     assert not with_fp8_base(plan(), False, capabilities).fp8_base  # off unless asked
     if not capabilities:  # the CPU runs it eagerly too: the tests' path, where speed is not the point
         assert with_fp8_base(plan(compiled=False), True, [], "float32").fp8_base
+
+
+def qwen3_8b_plan(budget: float | None, fp8: bool, cuda_graphs: bool | str = "auto") -> TrainingPlan:
+    """The benchmark's Qwen3-8B plan on an 80 GB H100 (32 rows a step, 317 tokens on average, the longest 1,024)."""
+    return plan_training(ModelShape.from_config(ARCHS["qwen3-8b"]), free_mib=80 * 1024, max_row=1024, mean_row=317.0,
+                         rows_per_step=32, packing=True, micro_batch_tokens=None, checkpointing="auto",
+                         four_bit=True, lora_r=16, lora_targets="all-linear", fused_ce=True, upcast=False,
+                         dequantize=True, compile_layers=True, cuda_graphs=cuda_graphs, budget_gib=budget,
+                         loss_chunk_tokens="auto", fp8_base=fp8, capabilities=[(9, 0)])
+
+
+@pytest.mark.parametrize("cuda_graphs", ["auto", True])
+def test_an_fp8_plan_with_activation_checkpointing_leaves_cuda_graphs_out(cuda_graphs):
+    """Within 24 GiB the Qwen3-8B plan checkpoints, and replayed FP8 layers overran it on an H100: the FP8 plan
+    drops the graphs (saying why) and still fits; the same budget without FP8 keeps them, as does FP8 without a
+    budget (no checkpointing)."""
+    fp8 = qwen3_8b_plan(24, True, cuda_graphs)
+    assert fp8.fp8_base and fp8.gradient_checkpointing and not fp8.cuda_graphs
+    assert fp8.dequantize_base and fp8.predicted_peak_gib <= 22.5  # the budget less what lies outside the allocator
+    assert any(r.startswith(f"CUDA graphs off (train.cuda_graphs={str(cuda_graphs).lower()}): with the FP8 base "
+                            "and activation checkpointing") for r in fp8.reasons), fp8.reasons
+    plain = qwen3_8b_plan(24, False, cuda_graphs)
+    assert plain.cuda_graphs and plain.gradient_checkpointing and not plain.fp8_base
+    unlimited = qwen3_8b_plan(None, True, cuda_graphs)
+    assert unlimited.fp8_base and unlimited.cuda_graphs and not unlimited.gradient_checkpointing
 
 
 def test_an_fp8_layer_compiles_into_one_graph_with_its_lora_branch():

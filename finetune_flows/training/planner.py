@@ -207,8 +207,29 @@ AUTO_LOSS_CHUNK_TOKENS = 1024
 (docs/gpus.md, the loss in larger chunks)."""
 
 
-def plan_training(shape: ModelShape, *, loss_chunk_tokens: int | str | None = None,
-                  **batches) -> TrainingPlan:
+FP8_GRAPHS_MEASURED = "benchmarks/results/train-bench-1xGPU-20261206-130225/NOTE.md"
+
+
+def plan_training(shape: ModelShape, *, fp8_base: bool = False, capabilities: list[tuple[int, int]] = (),
+                  compute_dtype: str = "bfloat16", **batches) -> TrainingPlan:
+    """The plan of _plan_with_chunks (its keywords: `batches`) with the base's matmuls in FP8 where asked for
+    (`fp8_base`) and possible on GPUs of these `capabilities` (with_fp8_base). An FP8 plan with activation
+    checkpointing leaves CUDA graphs out: on the Qwen3-8B shape within 24 GiB, the graphs' first passes over the
+    FP8 layers overran the plan by more than 3.9 GiB, while neither graphs with the FP8 base unchecked nor FP8 with
+    checkpointing unreplayed used more than planned (FP8_GRAPHS_MEASURED)."""
+    plan = with_fp8_base(_plan_with_chunks(shape, **batches), fp8_base, list(capabilities), compute_dtype)
+    if not (plan.fp8_base and plan.cuda_graphs and plan.gradient_checkpointing):
+        return plan
+    asked = str(batches.get("cuda_graphs")).lower()
+    plan = with_fp8_base(_plan_with_chunks(shape, **(batches | {"cuda_graphs": False})), fp8_base,
+                         list(capabilities), compute_dtype)
+    plan.reasons.append(f"CUDA graphs off (train.cuda_graphs={asked}): with the FP8 base and activation "
+                        f"checkpointing their first passes use more memory than planned ({FP8_GRAPHS_MEASURED})")
+    return plan
+
+
+def _plan_with_chunks(shape: ModelShape, *, loss_chunk_tokens: int | str | None = None,
+                      **batches) -> TrainingPlan:
     """The plan of _plan_with_graphs (its keywords: `batches`) with Liger's loss in chunks of at least
     `loss_chunk_tokens` tokens (training/loss_chunks.py). `auto`: AUTO_LOSS_CHUNK_TOKENS where Liger's fused loss
     runs and the larger chunk's logits leave the plan's micro-batches, checkpointing, base and graphs as they are

@@ -25,7 +25,7 @@ from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.runtime.launcher import compile_caches, gpu_models, run_worker, training_env, write_job
 from finetune_flows.logs import run_logger
 from finetune_flows.training.planner import (
-    ModelShape, TrainingPlan, plan_training, planning_bytes, with_fp8_base,
+    ModelShape, TrainingPlan, plan_training, planning_bytes,
 )
 from finetune_flows.config.preflight import check_lora_targets
 from finetune_flows.reporting.progress import ProgressReporter
@@ -124,11 +124,12 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             accumulation=t.gradient_accumulation_steps, dequantize=plan.dequantize_base,
             compile_layers=plan.compile != "off", compile_deferred=plan.compile == "deferred",
             cuda_graphs=t.cuda_graphs, ranks=world_size(cfg, plan),
-            shards=world_size(cfg, plan) if plan.strategy == "fsdp" else 1, budget_gib=budget)
+            shards=world_size(cfg, plan) if plan.strategy == "fsdp" else 1, budget_gib=budget,
+            fp8_base=t.fp8_base, capabilities=[g.capability for g in gpus.gpus] if plan.device == "cuda" else [],
+            compute_dtype=plan.compute_dtype)
     except ValueError as exc:
         raise UserInputError(f"training plan{f' (within {share})' if share else ''}: {exc}") from None
-    return with_fp8_base(tplan, t.fp8_base, [g.capability for g in gpus.gpus] if plan.device == "cuda" else [],
-                         plan.compute_dtype)
+    return tplan
 
 
 def publish_training_plan(tplan: TrainingPlan, cached: bool = False) -> None:
