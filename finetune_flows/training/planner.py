@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,7 +211,7 @@ AUTO_LOSS_CHUNK_TOKENS = 1024
 FP8_GRAPHS_MEASURED = "benchmarks/results/train-bench-1xGPU-20261206-130225/NOTE.md"
 
 
-def plan_training(shape: ModelShape, *, fp8_base: bool = False, capabilities: list[tuple[int, int]] = (),
+def plan_training(shape: ModelShape, *, fp8_base: bool = False, capabilities: Sequence[tuple[int, int]] = (),
                   compute_dtype: str = "bfloat16", **batches) -> TrainingPlan:
     """The plan of _plan_with_chunks (its keywords: `batches`) with the base's matmuls in FP8 where asked for
     (`fp8_base`) and possible on GPUs of these `capabilities` (with_fp8_base). An FP8 plan with activation
