@@ -162,15 +162,7 @@ class WorkerOutput:
 
     def drain(self) -> None:
         """Handle what is queued without waiting (while the worker shuts down; it must never block on a full pipe)."""
-        while True:
-            try:
-                line = self.lines.get_nowait()
-            except queue.Empty:
-                return
-            if line is None:
-                self.ended = True
-            else:
-                self.handle(line, live=False)
+        self.finish(0.0)
 
     def finish(self, timeout: float) -> None:
         """Handle the rest of the output up to its end, waiting at most `timeout` s for it: once the worker is gone
