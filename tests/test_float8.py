@@ -152,6 +152,45 @@ def test_an_fp8_layer_compiles_into_one_graph_with_its_lora_branch():
     assert torch.allclose(x.grad, eager, atol=1e-5)
 
 
+def test_an_activation_checkpoint_compiled_over_fp8_layers_keeps_only_the_layer_input():
+    """The 24 GiB plans checkpoint inside the compiled layer (training/compiling.py, with CUDA graphs): over the FP8
+    layers the backward graph recomputes the layer, keeping its input and nothing more, as the planner assumes."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from finetune_flows.models.float8 import float8_linear
+
+    torch.manual_seed(0)
+    up = float8_linear(torch.nn.Linear(256, 1024, bias=False).requires_grad_(False))
+    down = float8_linear(torch.nn.Linear(1024, 256, bias=False).requires_grad_(False))
+    lora_a, lora_b = torch.nn.Linear(256, 8, bias=False), torch.nn.Linear(8, 1024, bias=False)
+    weights = {t.untyped_storage().data_ptr() for t in [*up.buffers(), *down.buffers(), lora_a.weight, lora_b.weight]}
+
+    def layer(x):
+        h = torch.nn.functional.silu(up(x) + lora_b(lora_a(x)))
+        return down(h * h) + x
+
+    def kept_bytes(fn, x) -> int:
+        """Bytes autograd keeps for fn's backward pass, beyond the layers' weights."""
+        kept = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weights:
+                kept[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(x)
+        out.sum().backward()
+        return sum(kept.values())
+
+    x = torch.randn(1024, 256, requires_grad=True)
+    plain = kept_bytes(torch.compile(layer, fullgraph=True), x)
+    checkpointed = kept_bytes(torch.compile(lambda x: checkpoint(layer, x, use_reentrant=False), fullgraph=True), x)
+    assert checkpointed == x.nbytes and plain > 4 * x.nbytes, (plain, checkpointed)
+
+
 DDP_OVER_FP8 = """
 import sys, torch, torch.distributed as dist
 from peft import LoraConfig, get_peft_model
