@@ -14,7 +14,8 @@ Each runs in a process of its own, with the peers' own site on PYTHONPATH (Unslo
 TRL's gradient checkpointing (its default) is on under a memory budget and off without one (the faster choice where
 memory allows). Every peer trains the bench's rows with the same effective batch (8 rows x the accumulation), steps,
 learning rate, cosine schedule, warm-up, optimizer (adamw_torch) and step clock as the seed recipe; a memory budget is
-`torch.cuda.set_per_process_memory_fraction`, so a peer that needs more fails as on a smaller GPU.
+`torch.cuda.set_per_process_memory_fraction`, so a peer that needs more fails as on a smaller GPU. The job's
+`rows_per_micro_batch` (8 unless `--peer-rows` says otherwise) splits that batch into micro-steps.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def sft_config(job: dict, on_gpu: bool, **extra):
     from trl import SFTConfig
 
     return SFTConfig(
-        output_dir=str(Path(job["out"]) / "checkpoints"), per_device_train_batch_size=8,
+        output_dir=str(Path(job["out"]) / "checkpoints"),
+        per_device_train_batch_size=job.get("rows_per_micro_batch", 8),
         gradient_accumulation_steps=job["gradient_accumulation_steps"], max_steps=job["steps"],
         learning_rate=job["learning_rate"], lr_scheduler_type="cosine", warmup_steps=job["warmup_steps"],
         optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, bf16=on_gpu, use_cpu=not on_gpu,
@@ -171,7 +173,8 @@ def main(job_path: str) -> None:
         "peak_memory_mb": round(torch.cuda.max_memory_reserved() / 2**20, 1) if on_gpu else None,
         "peak_allocated_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if on_gpu else None,
         "loss_curve": curve, "adapter_path": str(out / "adapter"),
-        "layout": f"{layout}; batches of 8 rows x {job['gradient_accumulation_steps']} accumulation",
+        "layout": f"{layout}; batches of {job.get('rows_per_micro_batch', 8)} rows x "
+                  f"{job['gradient_accumulation_steps']} accumulation",
     }
     write_json(out / "result.json", result)
 

@@ -34,7 +34,9 @@ row once per memory budget (GiB of device memory; ours through `hardware.memory_
 through `torch.cuda.set_per_process_memory_fraction`), named `<run>-<shape>-<N>gib`. A row that fails (a peer that
 cannot run here, a run out of memory under its budget) is kept with its error and the bench goes on.
 `speedup.vs_best_peer` is ours over the fastest peer that ran, per shape and budget, e.g. `--shapes qwen3-8b --runs
-ours,unsloth,trl --budgets none,24`.
+ours,unsloth,trl --budgets none,24`. The peers batch 8 rows a micro-step, as the seed does; `--peer-rows 8,32` runs
+each peer once per listed micro-batch (same effective batch: fewer accumulation steps), the other sizes named
+`<peer>-r<N>-<shape>`, each counted for the fastest peer (a user who tunes a peer's batch to the GPU gets that row).
 
 Results accumulate in --state (so several calls on one machine build one report); the report is written to
 --out (default benchmarks/results/train-bench-<N>xGPU-<UTC time>/report.{md,json}).
@@ -154,6 +156,22 @@ def parse_budgets(text: str) -> list[int | None]:
         else:
             raise SystemExit(f"--budgets: {item!r} is neither 'none' nor a whole number of GiB")
     return budgets or [None]
+
+
+def parse_peer_rows(text: str, effective: int) -> list[int]:
+    """`--peer-rows 8,32`: the peers' rows per micro-step, each dividing the effective batch (8 x --accumulation)."""
+    sizes: list[int] = []
+    for item in [x.strip() for x in text.split(",") if x.strip()]:
+        if not (item.isdigit() and int(item) > 0 and effective % int(item) == 0):
+            raise SystemExit(f"--peer-rows: {item!r} is not a whole number of rows dividing the effective batch of "
+                             f"{effective} rows (8 x --accumulation)")
+        sizes.append(int(item))
+    return sizes or [8]
+
+
+def peer_label(peer: str, rows: int) -> str:
+    """A peer's row label: the peer's name at the seed's 8 rows a micro-step, else `<peer>-r<rows>`."""
+    return peer if rows == 8 else f"{peer}-r{rows}"
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -417,7 +435,7 @@ class Bench:
                                    "gradient_accumulation_steps": self.args.accumulation, "seed": 42,
                                    "learning_rate": self.args.learning_rate, "warmup_steps": self.args.warmup,
                                    "warmup": self.args.warmup, "pad_token_id": pad, "memory_budget_gib": budget,
-                                   "max_length": stats["max_length"], **extra}))
+                                   "max_length": stats["max_length"], **extra}))  # extra may set the peers' batch
         return src, base, out, job
 
     def run_seed(self, shape: str, data: Path, stats: dict, budget: int | None = None) -> None:
@@ -431,10 +449,13 @@ class Bench:
         result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids, out / "eval.log")
         self.record(name, self.summarize(name, shape, ids, result, mem, stats, "seed", budget))
 
-    def run_peer(self, peer: str, shape: str, data: Path, stats: dict, budget: int | None = None) -> None:
-        """A peer (benchmarks/peer_recipe.py) in its own process, with --peer-site as its PYTHONPATH."""
-        name = f"{peer}-{shape}{budget_suffix(budget)}"
-        _, base, out, job = self.recipe_job(shape, name, data, stats, budget, peer=peer)
+    def run_peer(self, peer: str, shape: str, data: Path, stats: dict, budget: int | None = None,
+                 rows: int = 8) -> None:
+        """A peer (benchmarks/peer_recipe.py) in its own process, with --peer-site as its PYTHONPATH, batching `rows`
+        rows a micro-step within the effective batch of 8 x --accumulation."""
+        name = f"{peer_label(peer, rows)}-{shape}{budget_suffix(budget)}"
+        _, base, out, job = self.recipe_job(shape, name, data, stats, budget, peer=peer, rows_per_micro_batch=rows,
+                                            gradient_accumulation_steps=8 * self.args.accumulation // rows)
         ids = self.gpu_ids[:1]
         env = child_env(ids)
         if self.args.peer_site:
@@ -445,7 +466,7 @@ class Bench:
         result = json.loads((out / "result.json").read_text())
         result["eval_loss"] = eval_loss(base.path, Path(result["adapter_path"]), data, ids, out / "eval.log")
         row = self.summarize(name, shape, ids, result, mem, stats, peer, budget)
-        row["versions"] = result.get("versions")
+        row["versions"], row["rows_per_micro_batch"] = result.get("versions"), rows
         self.record(name, row)
 
     def run_ours(self, shape: str, data: Path, stats: dict, label: str, gpus: int, overrides: list[str],
@@ -742,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
                         " (default seed,ours,ours-2gpu; with --smoke seed,ours)")
     parser.add_argument("--budgets", default="none", help="memory budgets in GiB, e.g. none,24: every row once each")
     parser.add_argument("--peer-site", help="PYTHONPATH of the peers' processes (their own site; default: ours)")
+    parser.add_argument("--peer-rows", default="8", help="the peers' rows per micro-step, e.g. 8,32: each peer once "
+                        "per size, within the same effective batch (default 8, the seed's)")
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL:key=value,...",
                         help="an extra run of ours with config overrides, named ours-LABEL; a LABEL starting "
                         "with 2gpu- runs on two GPUs (DDP), e.g. 2gpu-noliger:train.liger_kernel=false")
@@ -770,6 +793,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown run(s) {', '.join(unknown)}: seed, ours, ours-2gpu, {', '.join(PEERS)}")
     if args.smoke:
         args.shapes, args.rows, args.steps, args.warmup, args.accumulation = "tiny-llama", 160, 8, 2, 1
+    peer_rows = parse_peer_rows(args.peer_rows, 8 * args.accumulation)  # before anything runs
     state = Path(args.state)
     env = run_probe(state / "probe")
     if args.resume_from:
@@ -802,7 +826,9 @@ def main(argv: list[str] | None = None) -> int:
                         else:
                             print(f"[{shape}] ours-2gpu skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
                     else:
-                        jobs.append((run, lambda run=run: bench.run_peer(run, shape, data, stats, budget)))
+                        jobs += [(peer_label(run, n), lambda run=run, n=n: bench.run_peer(run, shape, data, stats,
+                                                                                          budget, n))
+                                 for n in peer_rows]
                 for variant in args.variant:
                     label, _, kv = variant.partition(":")
                     gpus = 2 if label.startswith("2gpu-") else 1  # 2gpu-<label>: the variant on two GPUs (DDP)

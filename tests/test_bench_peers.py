@@ -77,6 +77,33 @@ def test_budgets_are_none_or_whole_gib_and_name_the_rows():
     assert bench.budget_suffix(None) == "" and bench.budget_suffix(12) == "-12gib"
 
 
+def test_a_peer_batch_size_divides_the_effective_batch_and_its_row_counts_for_the_fastest_peer(tmp_path):
+    from types import SimpleNamespace
+
+    bench = load_benchmark("train_speed")
+    assert bench.parse_peer_rows("8,32", 32) == [8, 32] and bench.parse_peer_rows("", 32) == [8]
+    for bad in ("12", "0", "32x"):
+        with pytest.raises(SystemExit, match=f"--peer-rows: '{bad}' is not a whole number of rows dividing"):
+            bench.parse_peer_rows(bad, 32)
+    assert bench.peer_label("unsloth", 8) == "unsloth" and bench.peer_label("unsloth", 32) == "unsloth-r32"
+    runs = [row("ours-qwen3-8b", "ours", "qwen3-8b", 90.0), row("unsloth-qwen3-8b", "unsloth", "qwen3-8b", 20.0),
+            row("unsloth-r32-qwen3-8b", "unsloth", "qwen3-8b", 45.0, rows_per_micro_batch=32),
+            row("trl-qwen3-8b", "trl", "qwen3-8b", 30.0)]
+    (tmp_path / "runs").mkdir()
+    for r in runs:
+        (tmp_path / "runs" / f"{r['name']}.json").write_text(json.dumps(r))
+    report = bench.build_report(tmp_path, SimpleNamespace(gpus=[], driver_version=None, cuda_version=None), "cmd")
+    assert report["speedup"]["vs_best_peer"] == {"qwen3-8b": 2.0}
+    assert report["best_peer"] == {"qwen3-8b": "unsloth-r32-qwen3-8b"}
+
+
+def test_a_peer_batch_that_does_not_divide_the_effective_batch_stops_the_bench_before_anything_runs():
+    proc = subprocess.run([sys.executable, "benchmarks/train_speed.py", "--runs", "unsloth", "--peer-rows", "8,12"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--peer-rows: '12' is not a whole number of rows dividing" in proc.stderr
+    assert "base model ready" not in proc.stdout
+
+
 def test_an_unknown_run_stops_the_bench_before_anything_runs():
     proc = subprocess.run([sys.executable, "benchmarks/train_speed.py", "--runs", "ours,axolotl"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
@@ -105,18 +132,21 @@ def test_the_peers_token_count_is_their_rows_real_tokens_whatever_their_collator
 @pytest.mark.slow
 def test_a_peer_that_fails_is_a_row_with_its_error_and_the_seed_still_runs(tmp_path):
     """On this CPU the TRL peer cannot train (its site here has no TRL, or TRL's fused LM head finds no Triton): the
-    report keeps the row with the peer's own last lines, the seed recipe runs after it, the exit status is 1."""
+    report keeps the row with the peer's own last lines, the seed recipe runs after it, the exit status is 1. With
+    `--peer-rows 4` the peer's job batches 4 rows a micro-step over twice the accumulation (the smoke's 8 x 1)."""
     out = tmp_path / "report"
     proc = subprocess.run([sys.executable, "benchmarks/train_speed.py", "--smoke", "--runs", "trl,seed", "--state",
-                           str(tmp_path / "state"), "--out", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=1500)
+                           str(tmp_path / "state"), "--out", str(out), "--peer-rows", "4"], cwd=REPO,
+                          capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     by = {r["name"]: r for r in report["runs"]}
     assert by["seed-tiny-llama"]["tokens_per_second"] > 0
-    failed = by["trl-tiny-llama"]
+    failed = by["trl-r4-tiny-llama"]
     assert failed["error"].startswith("RuntimeError: ") and failed["tokens_per_second"] is None
-    last = (tmp_path / "state" / "out" / "trl-tiny-llama" / "train.log").read_text().strip().splitlines()[-1]
+    job = json.loads((tmp_path / "state" / "out" / "trl-r4-tiny-llama" / "job.json").read_text())
+    assert (job["rows_per_micro_batch"], job["gradient_accumulation_steps"]) == (4, 2)
+    last = (tmp_path / "state" / "out" / "trl-r4-tiny-llama" / "train.log").read_text().strip().splitlines()[-1]
     assert last in failed["error"] and last in (out / "report.md").read_text()
 
 
