@@ -419,7 +419,8 @@ class Bench:
                            "error": error, "tokens_per_second": None})
 
     def recipe_job(self, shape: str, name: str, data: Path, stats: dict, budget: int | None, **extra) -> tuple:
-        """(bf16 checkpoint, 4-bit base, out dir, job file) for a run of a recipe script (seed, peers)."""
+        """(bf16 checkpoint, 4-bit base, out dir, job file) for a run of a recipe script (seed, peers); `extra`'s keys
+        join the job or replace its defaults (a peer's rows per micro-step and accumulation)."""
         src, base, _, _ = self.base_model(shape)
         out = self.state / "out" / name
         if out.exists():
@@ -435,7 +436,7 @@ class Bench:
                                    "gradient_accumulation_steps": self.args.accumulation, "seed": 42,
                                    "learning_rate": self.args.learning_rate, "warmup_steps": self.args.warmup,
                                    "warmup": self.args.warmup, "pad_token_id": pad, "memory_budget_gib": budget,
-                                   "max_length": stats["max_length"], **extra}))  # extra may set the peers' batch
+                                   "max_length": stats["max_length"], **extra}))  # extra's keys win
         return src, base, out, job
 
     def run_seed(self, shape: str, data: Path, stats: dict, budget: int | None = None) -> None:
