@@ -411,12 +411,16 @@ class Bench:
                   "machine": self.machine, "finished": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")}
         write_json(self.runs_dir / f"{name}.json", result)
 
-    def record_error(self, name: str, shape: str, run: str, budget: int | None, error: str) -> None:
-        """A row that did not run: its error, so the report shows why (the bench goes on with the next)."""
+    def record_error(self, name: str, shape: str, run: str, budget: int | None, error: str,
+                     rows_per_micro_batch: int | None = None) -> None:
+        """A row that did not run: its error, so the report shows why (the bench goes on with the next). A peer's row
+        names the peer as its run and its batch size, like a row that ran."""
         print(f"[{name}] FAILED: {error.splitlines()[0] if error else ''}", flush=True)
-        self.record(name, {"name": name, "run": run, "shape": shape, "model": f"generated:{shape}",
-                           "memory_budget_gib": budget, "gpus": len(self.gpu_ids[:1]), "host": platform.node(),
-                           "error": error, "tokens_per_second": None})
+        row = {"name": name, "run": run, "shape": shape, "model": f"generated:{shape}", "memory_budget_gib": budget,
+               "gpus": len(self.gpu_ids[:1]), "host": platform.node(), "error": error, "tokens_per_second": None}
+        if rows_per_micro_batch is not None:
+            row["rows_per_micro_batch"] = rows_per_micro_batch
+        self.record(name, row)
 
     def recipe_job(self, shape: str, name: str, data: Path, stats: dict, budget: int | None, **extra) -> tuple:
         """(bf16 checkpoint, 4-bit base, out dir, job file) for a run of a recipe script (seed, peers); `extra`'s keys
@@ -811,7 +815,8 @@ def main(argv: list[str] | None = None) -> int:
         for shape in [s for s in args.shapes.split(",") if s]:
             data, stats = workload_for(shape, args.rows, state, bench.cache, args.smoke)
             for budget in budgets:
-                jobs = []  # (row name, run, callable)
+                jobs = []  # (row label, callable)
+                peers = {}  # a peer row's label -> (peer, rows a micro-step)
                 for run in [r for r in args.runs.split(",") if r]:
                     if run == "seed":
                         jobs.append(("seed", lambda: bench.run_seed(shape, data, stats, budget)))
@@ -827,9 +832,10 @@ def main(argv: list[str] | None = None) -> int:
                         else:
                             print(f"[{shape}] ours-2gpu skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
                     else:
-                        jobs += [(peer_label(run, n), lambda run=run, n=n: bench.run_peer(run, shape, data, stats,
-                                                                                          budget, n))
-                                 for n in peer_rows]
+                        for n in peer_rows:
+                            peers[peer_label(run, n)] = (run, n)
+                            jobs.append((peer_label(run, n), lambda run=run, n=n: bench.run_peer(
+                                run, shape, data, stats, budget, n)))
                 for variant in args.variant:
                     label, _, kv = variant.partition(":")
                     gpus = 2 if label.startswith("2gpu-") else 1  # 2gpu-<label>: the variant on two GPUs (DDP)
@@ -845,9 +851,9 @@ def main(argv: list[str] | None = None) -> int:
                     except Exception as exc:  # the row keeps its error; the others still run
                         failures += 1
                         cause = getattr(exc, "message", "")  # a WorkerOOM's own line, under torchrun's tail
-                        bench.record_error(f"{run}-{shape}{budget_suffix(budget)}", shape,
-                                           run.removesuffix("-profile"), budget,
-                                           f"{type(exc).__name__}: {exc}" + (f"\n{cause}" if cause else ""))
+                        peer, rows = peers.get(run, (run.removesuffix("-profile"), None))
+                        bench.record_error(f"{run}-{shape}{budget_suffix(budget)}", shape, peer, budget,
+                                           f"{type(exc).__name__}: {exc}" + (f"\n{cause}" if cause else ""), rows)
                     write_report(state, env, command, out)
     print(markdown(write_report(state, env, command, out)))
     print(f"report: {out}", flush=True)

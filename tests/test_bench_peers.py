@@ -144,6 +144,7 @@ def test_a_peer_that_fails_is_a_row_with_its_error_and_the_seed_still_runs(tmp_p
     assert by["seed-tiny-llama"]["tokens_per_second"] > 0
     failed = by["trl-r4-tiny-llama"]
     assert failed["error"].startswith("RuntimeError: ") and failed["tokens_per_second"] is None
+    assert (failed["run"], failed["rows_per_micro_batch"]) == ("trl", 4)  # as a row that ran names itself
     job = json.loads((tmp_path / "state" / "out" / "trl-r4-tiny-llama" / "job.json").read_text())
     assert (job["rows_per_micro_batch"], job["gradient_accumulation_steps"]) == (4, 2)
     last = (tmp_path / "state" / "out" / "trl-r4-tiny-llama" / "train.log").read_text().strip().splitlines()[-1]
