@@ -617,11 +617,18 @@ def versions() -> dict:
     return out
 
 
+def machine_of(row: dict) -> str:
+    """The machine a row ran on: its GPU's UUID, else the report it was joined from, else this call's (the CPU)."""
+    joined = row.get("joined_from")
+    return row.get("machine") or (f"unrecorded, {joined.get('report')}" if joined else "this call's")
+
+
 def build_report(state: Path, env, command: str) -> dict:
     runs = [json.loads(p.read_text()) for p in sorted((state / "runs").glob("*.json"))]
     by = {r["name"]: r for r in runs}
     speedup: dict[str, float | None] = {}
     quality: dict[str, float | None] = {}
+    across: list[str] = []  # the ratios whose two rows ran on different machines (calls joined by --resume-from)
     for r in runs:
         if r["name"].startswith("seed-"):
             shape = r["name"][5:]
@@ -629,6 +636,7 @@ def build_report(state: Path, env, command: str) -> dict:
             if ours and ours["tokens_per_second"] and r["tokens_per_second"]:
                 speedup[shape] = round(ours["tokens_per_second"] / r["tokens_per_second"], 2)
                 quality[shape] = round((ours["eval_loss"] - r["eval_loss"]) / r["eval_loss"], 4)
+                across += [shape] if machine_of(ours) != machine_of(r) else []
     for r in runs:
         if r["name"].startswith("ours-2gpu-"):  # ours-2gpu-<shape>, or a variant's ours-2gpu-<label>-<shape>
             rest = r["name"][len("ours-2gpu-"):]
@@ -638,6 +646,7 @@ def build_report(state: Path, env, command: str) -> dict:
             key += budget_suffix(r.get("memory_budget_gib"))
             if one and one["tokens_per_second"] and r["tokens_per_second"]:
                 speedup[key] = round(r["tokens_per_second"] / one["tokens_per_second"], 2)
+                across += [key] if machine_of(one) != machine_of(r) else []
     best_peer: dict[str, str] = {}
     # ours and each one-GPU variant of it (ours-<label>: the key gains ":<label>") against the seed and the fastest
     # peer of its shape and budget
@@ -649,6 +658,7 @@ def build_report(state: Path, env, command: str) -> dict:
         if ours["run"] != "ours" and seed and seed.get("tokens_per_second"):
             speedup[key] = round(ours["tokens_per_second"] / seed["tokens_per_second"], 2)
             quality[key] = round((ours["eval_loss"] - seed["eval_loss"]) / seed["eval_loss"], 4)
+            across += [key] if machine_of(ours) != machine_of(seed) else []
         peers = [r for r in runs if r.get("run") in PEERS and r.get("tokens_per_second") and
                  r["shape"] == ours["shape"] and r.get("memory_budget_gib") == ours.get("memory_budget_gib")]
         if peers:
@@ -656,6 +666,7 @@ def build_report(state: Path, env, command: str) -> dict:
             speedup.setdefault("vs_best_peer", {})[key] = round(ours["tokens_per_second"]
                                                                 / best["tokens_per_second"], 2)
             best_peer[key] = best["name"]
+            across += [f"vs_best_peer:{key}"] if machine_of(ours) != machine_of(best) else []
     imported = state / "imported-workload.json"
     workload = json.loads(imported.read_text()) if imported.is_file() else {}
     workload.update({p.parent.name: json.loads(p.read_text()) for p in (state / "workload").glob("*/stats.json")})
@@ -663,7 +674,7 @@ def build_report(state: Path, env, command: str) -> dict:
             "host": platform.node(), "cpu": host_cpu(), "python": platform.python_version(),
             "gpus": [g.model_dump() for g in env.gpus], "driver": env.driver_version, "cuda": env.cuda_version,
             "versions": versions(), "workload": workload, "runs": runs, "speedup": speedup, "best_peer": best_peer,
-            "eval_loss_relative_to_seed": quality,
+            "across_machines": across, "eval_loss_relative_to_seed": quality,
             "flop_model": "4 x (linear + lm_head params) per token (frozen base: forward + input-gradient backward) "
                           "+ causal attention (QK^T and PV, backward 2x forward); MFU against 989 TFLOP/s dense bf16"}
 
@@ -701,10 +712,13 @@ def markdown(rep: dict) -> str:
             lines += [f"- **{r['name']}** (budget {r.get('memory_budget_gib') or 'none'}):", "", "```", *shown,
                       "```", ""]
     lines += ["", "## Speedup (ours / seed, steady-state real tokens/s)", ""]
-    lines += [f"- {k}: {v}" for k, v in rep["speedup"].items() if k != "vs_best_peer"]
+    across = set(rep.get("across_machines", []))
+    apart = " (the two rows ran on different machines)"
+    lines += [f"- {k}: {v}{apart if k in across else ''}" for k, v in rep["speedup"].items() if k != "vs_best_peer"]
     if rep["speedup"].get("vs_best_peer"):
         lines += ["", "## Ours over the fastest peer that ran (same shape and budget)", ""]
-        lines += [f"- {k}: {v} (against {rep['best_peer'][k]})" for k, v in rep["speedup"]["vs_best_peer"].items()]
+        lines += [f"- {k}: {v} (against {rep['best_peer'][k]}){apart if f'vs_best_peer:{k}' in across else ''}"
+                  for k, v in rep["speedup"]["vs_best_peer"].items()]
     lines += ["", "## Eval loss of ours relative to the seed (same steps and effective batch)", ""]
     lines += [f"- {k}: {v:+.2%}" for k, v in rep["eval_loss_relative_to_seed"].items()]
     planned = [r for r in rep["runs"] if r.get("training_plan") and r.get("peak_allocated_gib") is not None]

@@ -66,6 +66,33 @@ def test_ours_over_the_fastest_peer_per_shape_and_budget_and_failed_rows_keep_th
     assert long[-1] == "CUDA out of memory. Tried 120 MiB" and len(long) == 26, long
     assert "- qwen3-8b-24gib: 2.5 (against unsloth-qwen3-8b-24gib)" in md
     assert "- qwen3-8b-24gib:cg: 3.0 (against unsloth-qwen3-8b-24gib)" in md
+    assert report["across_machines"] == [] and "different machines" not in md  # every row from this call
+
+
+def test_a_ratio_whose_rows_ran_on_different_machines_says_so(tmp_path):
+    """Calls joined by --resume-from may pair rows from two machines of the same card: the report names those ratios
+    (by GPU UUID; a joined row without one counts as its own report's machine)."""
+    from types import SimpleNamespace
+
+    bench = load_benchmark("train_speed")
+    old = {"report": "benchmarks/results/old/report.json", "date": "20261201-000000"}
+    runs = [row("ours-qwen3-8b", "ours", "qwen3-8b", 100.0, machine="GPU-a"),
+            row("ours-fp8-qwen3-8b", "ours-fp8", "qwen3-8b", 120.0, machine="GPU-b"),
+            row("seed-qwen3-8b", "seed", "qwen3-8b", 10.0, machine="GPU-a"),
+            row("unsloth-qwen3-8b", "unsloth", "qwen3-8b", 50.0, machine="GPU-a"),
+            row("ours-qwen3-0.6b", "ours", "qwen3-0.6b", 90.0, machine="GPU-a"),
+            row("seed-qwen3-0.6b", "seed", "qwen3-0.6b", 3.0, machine=None, joined_from=old),
+            row("trl-qwen3-0.6b", "trl", "qwen3-0.6b", 30.0, machine="GPU-a")]
+    (tmp_path / "runs").mkdir()
+    for r in runs:
+        (tmp_path / "runs" / f"{r['name']}.json").write_text(json.dumps(r))
+    env = SimpleNamespace(gpus=[], driver_version=None, cuda_version=None)
+    report = bench.build_report(tmp_path, env, "cmd")
+    assert sorted(report["across_machines"]) == ["qwen3-0.6b", "qwen3-8b:fp8", "vs_best_peer:qwen3-8b:fp8"]
+    md = bench.markdown(report)
+    assert "- qwen3-8b: 10.0\n" in md and "- qwen3-0.6b: 30.0 (the two rows ran on different machines)" in md
+    assert "- qwen3-8b:fp8: 2.4 (against unsloth-qwen3-8b) (the two rows ran on different machines)" in md
+    assert "- qwen3-8b: 2.0 (against unsloth-qwen3-8b)\n" in md
 
 
 def test_budgets_are_none_or_whole_gib_and_name_the_rows():
