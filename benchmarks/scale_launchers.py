@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from benchmarks.scale_out import (
+from benchmarks.scale_common import (
     config, fresh, head_lines, host_hardware, loss_difference, metrics_row, quantized_base, resolved, workload_dataset)
 from benchmarks.train_speed import MemoryPoller, gpu_name
 from finetune_flows.runtime.launcher import STABLE_HASHES, training_env
