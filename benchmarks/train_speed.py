@@ -829,27 +829,25 @@ def main(argv: list[str] | None = None) -> int:
         for shape in [s for s in args.shapes.split(",") if s]:
             data, stats = workload_for(shape, args.rows, state, bench.cache, args.smoke)
             for budget in budgets:
-                jobs = []  # (row label, callable)
-                peers = {}  # a peer row's label -> (peer, rows a micro-step)
+                jobs = []  # (row label, the row's run, a peer's rows a micro-step, callable)
                 for run in [r for r in args.runs.split(",") if r]:
                     if run == "seed":
-                        jobs.append(("seed", lambda: bench.run_seed(shape, data, stats, budget)))
+                        jobs.append(("seed", "seed", None, lambda: bench.run_seed(shape, data, stats, budget)))
                     elif run == "ours":
-                        jobs.append(("ours", lambda: bench.run_ours(shape, data, stats, "ours", 1, [], False, budget)))
+                        jobs.append(("ours", "ours", None,
+                                     lambda: bench.run_ours(shape, data, stats, "ours", 1, [], False, budget)))
                         if args.profile:  # a separate run, so the profiler never slows the measured one
-                            jobs.append(("ours-profile", lambda: bench.run_ours(shape, data, stats, "ours-profile", 1,
-                                                                                [], True, budget)))
+                            jobs.append(("ours-profile", "ours", None, lambda: bench.run_ours(
+                                shape, data, stats, "ours-profile", 1, [], True, budget)))
                     elif run == "ours-2gpu":
                         if len(bench.gpu_ids) >= 2:
-                            jobs.append(("ours-2gpu", lambda: bench.run_ours(shape, data, stats, "ours-2gpu", 2, [],
-                                                                             False, budget)))
+                            jobs.append(("ours-2gpu", "ours-2gpu", None, lambda: bench.run_ours(
+                                shape, data, stats, "ours-2gpu", 2, [], False, budget)))
                         else:
                             print(f"[{shape}] ours-2gpu skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
                     else:
-                        for n in peer_rows:
-                            peers[peer_label(run, n)] = (run, n)
-                            jobs.append((peer_label(run, n), lambda run=run, n=n: bench.run_peer(
-                                run, shape, data, stats, budget, n)))
+                        jobs += [(peer_label(run, n), run, n, lambda run=run, n=n: bench.run_peer(
+                            run, shape, data, stats, budget, n)) for n in peer_rows]
                 for variant in args.variant:
                     label, _, kv = variant.partition(":")
                     gpus = 2 if label.startswith("2gpu-") else 1  # 2gpu-<label>: the variant on two GPUs (DDP)
@@ -857,16 +855,16 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"[{shape}] ours-{label} skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
                         continue
                     items = [x for x in kv.split(",") if x]
-                    jobs.append((f"ours-{label}", lambda label=label, gpus=gpus, items=items: bench.run_ours(
-                        shape, data, stats, f"ours-{label}", gpus, items, args.profile, budget)))
-                for run, job in jobs:
+                    jobs.append((f"ours-{label}", f"ours-{label}", None,
+                                 lambda label=label, gpus=gpus, items=items: bench.run_ours(
+                                     shape, data, stats, f"ours-{label}", gpus, items, args.profile, budget)))
+                for name, run, rows, job in jobs:
                     try:
                         job()
                     except Exception as exc:  # the row keeps its error; the others still run
                         failures += 1
                         cause = getattr(exc, "message", "")  # a WorkerOOM's own line, under torchrun's tail
-                        peer, rows = peers.get(run, (run.removesuffix("-profile"), None))
-                        bench.record_error(f"{run}-{shape}{budget_suffix(budget)}", shape, peer, budget,
+                        bench.record_error(f"{name}-{shape}{budget_suffix(budget)}", shape, run, budget,
                                            f"{type(exc).__name__}: {exc}" + (f"\n{cause}" if cause else ""), rows)
                     write_report(state, env, command, out)
     print(markdown(write_report(state, env, command, out)))

@@ -23,9 +23,17 @@ def row(name: str, run: str, shape: str, speed: float | None, budget: int | None
     return {**base, **extra}
 
 
-def test_ours_over_the_fastest_peer_per_shape_and_budget_and_failed_rows_keep_their_error(tmp_path):
+def report_of(bench, state, runs: list[dict]) -> dict:
+    """The report build_report makes of these rows in a --state directory, with no GPUs."""
     from types import SimpleNamespace
 
+    (state / "runs").mkdir()
+    for r in runs:
+        (state / "runs" / f"{r['name']}.json").write_text(json.dumps(r))
+    return bench.build_report(state, SimpleNamespace(gpus=[], driver_version=None, cuda_version=None), "cmd")
+
+
+def test_ours_over_the_fastest_peer_per_shape_and_budget_and_failed_rows_keep_their_error(tmp_path):
     bench = load_benchmark("train_speed")
     runs = [row("ours-qwen3-0.6b", "ours", "qwen3-0.6b", 100.0), row("trl-qwen3-0.6b", "trl", "qwen3-0.6b", 40.0),
             row("unsloth-qwen3-0.6b", "unsloth", "qwen3-0.6b", 50.0),
@@ -45,11 +53,7 @@ def test_ours_over_the_fastest_peer_per_shape_and_budget_and_failed_rows_keep_th
             row("unsloth-qwen3-8b", "unsloth", "qwen3-8b", None,
                 error="\n".join(["WorkerOOM: train worker exited with code 1; last output:",
                                   *(f"torchrun line {i}" for i in range(40)), "CUDA out of memory. Tried 120 MiB"]))]
-    (tmp_path / "runs").mkdir()
-    for r in runs:
-        (tmp_path / "runs" / f"{r['name']}.json").write_text(json.dumps(r))
-    env = SimpleNamespace(gpus=[], driver_version=None, cuda_version=None)
-    report = bench.build_report(tmp_path, env, "cmd")
+    report = report_of(bench, tmp_path, runs)
     assert report["speedup"]["vs_best_peer"] == {"qwen3-0.6b": 2.0, "qwen3-8b-24gib": 2.5,
                                                  "qwen3-8b-24gib:cg": 3.0}
     assert report["best_peer"] == {"qwen3-0.6b": "unsloth-qwen3-0.6b", "qwen3-8b-24gib": "unsloth-qwen3-8b-24gib",
@@ -72,8 +76,6 @@ def test_ours_over_the_fastest_peer_per_shape_and_budget_and_failed_rows_keep_th
 def test_a_ratio_whose_rows_ran_on_different_machines_says_so(tmp_path):
     """Calls joined by --resume-from may pair rows from two machines of the same card: the report names those ratios
     (by GPU UUID; a joined row without one counts as its own report's machine)."""
-    from types import SimpleNamespace
-
     bench = load_benchmark("train_speed")
     old = {"report": "benchmarks/results/old/report.json", "date": "20261201-000000"}
     runs = [row("ours-qwen3-8b", "ours", "qwen3-8b", 100.0, machine="GPU-a"),
@@ -83,11 +85,7 @@ def test_a_ratio_whose_rows_ran_on_different_machines_says_so(tmp_path):
             row("ours-qwen3-0.6b", "ours", "qwen3-0.6b", 90.0, machine="GPU-a"),
             row("seed-qwen3-0.6b", "seed", "qwen3-0.6b", 3.0, machine=None, joined_from=old),
             row("trl-qwen3-0.6b", "trl", "qwen3-0.6b", 30.0, machine="GPU-a")]
-    (tmp_path / "runs").mkdir()
-    for r in runs:
-        (tmp_path / "runs" / f"{r['name']}.json").write_text(json.dumps(r))
-    env = SimpleNamespace(gpus=[], driver_version=None, cuda_version=None)
-    report = bench.build_report(tmp_path, env, "cmd")
+    report = report_of(bench, tmp_path, runs)
     assert sorted(report["across_machines"]) == ["qwen3-0.6b", "qwen3-8b:fp8", "vs_best_peer:qwen3-8b:fp8"]
     md = bench.markdown(report)
     assert "- qwen3-8b: 10.0\n" in md and "- qwen3-0.6b: 30.0 (the two rows ran on different machines)" in md
@@ -105,8 +103,6 @@ def test_budgets_are_none_or_whole_gib_and_name_the_rows():
 
 
 def test_a_peer_batch_size_divides_the_effective_batch_and_its_row_counts_for_the_fastest_peer(tmp_path):
-    from types import SimpleNamespace
-
     bench = load_benchmark("train_speed")
     assert bench.parse_peer_rows("8,32", 32) == [8, 32] and bench.parse_peer_rows("", 32) == [8]
     for bad in ("12", "0", "32x"):
@@ -116,10 +112,7 @@ def test_a_peer_batch_size_divides_the_effective_batch_and_its_row_counts_for_th
     runs = [row("ours-qwen3-8b", "ours", "qwen3-8b", 90.0), row("unsloth-qwen3-8b", "unsloth", "qwen3-8b", 20.0),
             row("unsloth-r32-qwen3-8b", "unsloth", "qwen3-8b", 45.0, rows_per_micro_batch=32),
             row("trl-qwen3-8b", "trl", "qwen3-8b", 30.0)]
-    (tmp_path / "runs").mkdir()
-    for r in runs:
-        (tmp_path / "runs" / f"{r['name']}.json").write_text(json.dumps(r))
-    report = bench.build_report(tmp_path, SimpleNamespace(gpus=[], driver_version=None, cuda_version=None), "cmd")
+    report = report_of(bench, tmp_path, runs)
     assert report["speedup"]["vs_best_peer"] == {"qwen3-8b": 2.0}
     assert report["best_peer"] == {"qwen3-8b": "unsloth-r32-qwen3-8b"}
 
