@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 UNDER_GIB = 0.5  # reserved above today's prediction by more than this: a risk at a full budget
-OVER_GIB = 1.5  # reserved below it by more than this: room a budgeted plan leaves
+OVER_GIB = 1.5  # reserved below it by more than this, in a plan predicted to fill >= 90% of what it plans with: room
+# the plan left
 
 
 def row_of(run: dict, report: str) -> dict | None:
@@ -48,7 +49,7 @@ def rows_of(reports: list[Path]) -> list[dict]:
 
 def predicted_now(row: dict) -> float | None:
     """Today's planner's peak (GiB) for the row's plan; None where the row's shape or settings are not the bench's
-    defaults (another LoRA, fp32 frozen weights, FSDP shards)."""
+    defaults (a shape not generated, another LoRA, fp32 frozen weights, no Liger, another compute dtype)."""
     from finetune_flows.config.schema import load_config
     from finetune_flows.models.sources import ARCHS
     from finetune_flows.training.planner import GIB, ModelShape, peak_bytes
