@@ -43,8 +43,14 @@ def row_of(run: dict, report: str) -> dict | None:
 
 
 def rows_of(reports: list[Path]) -> list[dict]:
-    rows = (row_of(run, path.parent.name) for path in reports for run in json.loads(path.read_text()).get("runs", []))
-    return [r for r in rows if r]
+    """The rows of these reports, each with its report's date (report.json's `date`, else one in its folder's name)."""
+    rows = []
+    for path in reports:
+        report = json.loads(path.read_text())
+        named = re.search(r"\d{8}-\d{6}", path.parent.name)
+        date = report.get("date") or (named.group() if named else "")
+        rows += [r | {"date": date} for r in (row_of(run, path.parent.name) for run in report.get("runs", [])) if r]
+    return rows
 
 
 def predicted_now(row: dict) -> float | None:
@@ -70,7 +76,7 @@ def predicted_now(row: dict) -> float | None:
 def newest(rows: list[dict]) -> list[dict]:
     """The newest row (by report time) of each GPU, shape and plan."""
     latest: dict[tuple, dict] = {}
-    for r in sorted(rows, key=lambda r: re.search(r"\d{8}-\d{6}", r["report"]).group()):
+    for r in sorted(rows, key=lambda r: r.get("date", "")):
         p = r["plan"]
         latest[(r["gpu"], r["shape"], p["micro_batch_tokens"], p["gradient_accumulation_steps"], flags(p),
                 p.get("loss_chunk_tokens"), tuple(sorted(r["overrides"])))] = r

@@ -7,8 +7,7 @@ import json
 import pytest
 
 from conftest import REPO, load_benchmark
-from finetune_flows.models.sources import ARCHS
-from finetune_flows.training.planner import ModelShape, plan_training
+from test_planner import plan
 
 accuracy = load_benchmark("plan_accuracy")
 H100 = "NVIDIA H100 80GB HBM3"
@@ -18,12 +17,9 @@ EXPANDABLE = "expandable_segments:True"
 def bench_plan(shape: str, budget: int | None, **changed) -> dict:
     """The plan the bench's `ours` row gets on one H100 (80 GiB free) for its workload (32 rows of 315.6 tokens a
     step, the longest 1024), as training_plan() makes it on a GPU: Liger, frozen weights in bf16, compiled layers."""
-    kw = dict(free_mib=80_000, max_row=1024, mean_row=315.6, rows_per_step=32, packing=True, micro_batch_tokens=None,
-              checkpointing="auto", four_bit=True, lora_r=16, lora_targets="all-linear", fused_ce=True,
-              loss_chunk_tokens="auto", dtype_bytes=2, upcast=False, per_device_rows=8, accumulation=4,
-              dequantize=True, compile_layers=True, compile_deferred=False, cuda_graphs="auto", ranks=1, shards=1,
-              budget_gib=budget, fp8_base=False, capabilities=[(9, 0)], compute_dtype="bfloat16") | changed
-    return plan_training(ModelShape.from_config(ARCHS[shape]), **kw).model_dump()
+    kw = dict(mean_row=315.6, loss_chunk_tokens="auto", accumulation=4, dequantize=True, compile_layers=True,
+              cuda_graphs="auto", budget_gib=budget, capabilities=[(9, 0)]) | changed
+    return plan(shape, 80_000, **kw).model_dump()
 
 
 def row(report: str, name: str, plan: dict, reserved: float, shape: str = "qwen3-0.6b", **extra) -> dict:
