@@ -46,7 +46,10 @@ def rows_of(reports: list[Path]) -> list[dict]:
     """The rows of these reports, each with its report's date (report.json's `date`, else one in its folder's name)."""
     rows = []
     for path in reports:
-        report = json.loads(path.read_text())
+        try:
+            report = json.loads(path.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{path}: not a report ({exc})") from None
         named = re.search(r"\d{8}-\d{6}", path.parent.name)
         date = report.get("date") or (named.group() if named else "")
         rows += [r | {"date": date} for r in (row_of(run, path.parent.name) for run in report.get("runs", [])) if r]
@@ -118,7 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the table and summary here too (markdown)")
     args = parser.parse_args(argv)
     reports = args.reports or sorted((REPO / "benchmarks" / "results").glob("train-bench-*/report.json"))
-    md, s = table(rows_of(reports))
+    try:
+        rows = rows_of(reports)
+    except OSError as exc:
+        parser.error(f"{exc.filename}: {exc.strerror}")
+    except ValueError as exc:
+        parser.error(str(exc))
+    md, s = table(rows)
     md += (f"\n{s['rows']} rows of ours on one GPU; {s['compared']} newest of their GPU, shape and plan with the "
            f"bench's defaults (predicted now). Reserved above today's prediction by more than {UNDER_GIB} GiB: "
            f"{len(s['under'])}"

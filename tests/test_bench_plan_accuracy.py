@@ -75,3 +75,13 @@ def test_the_committed_reports_read_without_error():
     assert len(rows) >= 30
     md, summary = accuracy.table(rows)
     assert summary["compared"] >= 10 and md.count("\n") == len(rows) + 2
+
+
+def test_a_report_that_is_missing_or_not_json_is_named_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "report.json"
+    bad.write_text("{")
+    for path, says in ((tmp_path / "nope.json", "No such file or directory"), (bad, "not a report")):
+        with pytest.raises(SystemExit) as exit:
+            accuracy.main([str(path)])
+        assert exit.value.code == 2
+        assert f"error: {path}: {says}" in capsys.readouterr().err
