@@ -81,7 +81,7 @@ def test_a_report_that_is_missing_or_not_json_is_named_in_one_line(tmp_path, cap
     bad = tmp_path / "report.json"
     bad.write_text("{")
     for path, says in ((tmp_path / "nope.json", "No such file or directory"), (bad, "not a report")):
-        with pytest.raises(SystemExit) as exit:
+        with pytest.raises(SystemExit) as stopped:
             accuracy.main([str(path)])
-        assert exit.value.code == 2
+        assert stopped.value.code == 2
         assert f"error: {path}: {says}" in capsys.readouterr().err
