@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune_flows.files import write_atomic, write_json
+from finetune_flows.files import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 SIZE = 32 << 20  # large enough that a kill lands inside a write, most of the time

@@ -216,7 +216,6 @@ def eval_device(plan: Plan, budget_gib: float | None):
 
 
 def _evaluate(job: dict) -> dict:
-    import torch
     from transformers import AutoTokenizer
 
     cfg = FinetuneConfig.model_validate(job["config"])
@@ -294,8 +293,6 @@ def _generate(engine: str, model, tokenizer, prompts: list[str], prompt_ids: lis
         return generate_reference(model, tokenizer, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size)
     stops = stop_token_ids(model, tokenizer)
     if engine == "continuous":
-        import torch
-
         memory = int(0.6 * free_bytes(device.index or 0)) if device.type == "cuda" else 2**30
         return generate_continuous(model, prompt_ids, cfg.eval.max_new_tokens, stops, tokenizer.pad_token_id,
                                    batch_tokens, memory)
