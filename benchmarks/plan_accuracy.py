@@ -25,8 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 UNDER_GIB = 0.5  # reserved above today's prediction by more than this: a risk at a full budget
-OVER_GIB = 1.5  # reserved below it by more than this, in a plan predicted to fill >= 90% of what it plans with: room
-# the plan left
+# Reserved below today's prediction by more than this, in a plan predicted to fill >= 90% of what it plans with:
+# room the plan left.
+OVER_GIB = 1.5
 
 
 def row_of(run: dict, report: str) -> dict | None:
