@@ -225,11 +225,26 @@ def worker_run(cache: Path, tmp_path: Path, name: str, env: dict[str, str] | Non
                                    predicted_peak_gib=0.0, budget_gib=None, reasons=[]), **training})
     out = tmp_path / name
     job = write_train_job(out, cfg, plan.with_training(tplan), base, data, [], name)
-    done = subprocess.run([sys.executable, "-m", "finetune_flows.training.worker", str(job)], env=child_env(**(env or {})),
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "finetune_flows.training.worker", str(job)],
+                          env=child_env(**(env or {})), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((out / "train_metrics.json").read_text())
     return metrics, load_file(out / "adapter" / "adapter_model.safetensors"), done.stdout
+
+
+COMPILED = dict(dequantize_base=True, compile_layers=True)
+
+
+@pytest.fixture(scope="module")
+def compiled_run(shared_cache, tmp_path_factory):
+    """The dequantized base's layers compiled, on a compile cache of its own that starts empty: the reference run of
+    the CUDA graphs' test and the first run of the compile cache's (the file runs on one test worker, so once)."""
+    from types import SimpleNamespace
+
+    tmp = tmp_path_factory.mktemp("compiled")
+    caches = {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "compile" / "inductor"),
+              "TRITON_CACHE_DIR": str(tmp / "compile" / "triton")}
+    return SimpleNamespace(caches=caches, result=worker_run(shared_cache, tmp, "first", env=caches, **COMPILED))
 
 
 def assert_trained_alike(run: dict, adapter: dict, reference: dict, reference_adapter: dict) -> None:
@@ -243,15 +258,14 @@ def assert_trained_alike(run: dict, adapter: dict, reference: dict, reference_ad
 
 
 @pytest.mark.train
-def test_the_training_worker_trains_the_same_adapter_with_cuda_graphs_on(shared_cache, tmp_path):
+def test_the_training_worker_trains_the_same_adapter_with_cuda_graphs_on(shared_cache, compiled_run, tmp_path):
     """train.cuda_graphs through the real training worker, with the plan the planner makes on a GPU (here it would turn
     them off: no GPU), checkpointing inside the graphs as within 24 GiB, two micro-batches a step: every micro-batch
     padded to one shape, one compilation for every layer and micro-batch, no graph break, and the same losses and
     adapter as the compiled run without them (on the CPU Inductor compiles the same static graphs, minus the CUDA
     graphs' recording)."""
-    dequantized = dict(dequantize_base=True, compile_layers=True)
-    plain, plain_adapter, _ = worker_run(shared_cache, tmp_path, "plain", **dequantized)
-    graphed, graphed_adapter, printed = worker_run(shared_cache, tmp_path, "graphs", cuda_graphs=True, **dequantized)
+    plain, plain_adapter, _ = compiled_run.result
+    graphed, graphed_adapter, printed = worker_run(shared_cache, tmp_path, "graphs", cuda_graphs=True, **COMPILED)
     assert graphed["layout"].startswith("packed micro-batches of <= 256 tokens x 2 accumulation")
     assert graphed["layout"].endswith("CUDA graphs (each padded to 256 tokens)")
     assert "checkpointing on" in printed and "decoder layers compiled" in printed
@@ -277,15 +291,13 @@ def test_the_training_worker_compiles_through_the_4bit_layers(shared_cache, tmp_
 
 
 @pytest.mark.train
-def test_a_second_run_on_the_same_compile_cache_compiles_nothing(shared_cache, tmp_path):
+def test_a_second_run_on_the_same_compile_cache_compiles_nothing(shared_cache, compiled_run, tmp_path):
     """Compiled layers' kernels persist in the compile cache (launcher.compile_caches puts it in the project's cache,
     per GPU model): a second run of the same layers loads both of Inductor's graphs (forward and backward) from it
     instead of compiling them, trains the same adapter, and its metrics and log say so."""
-    caches = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "compile" / "inductor"),
-              "TRITON_CACHE_DIR": str(tmp_path / "compile" / "triton")}
-    plan = dict(dequantize_base=True, compile_layers=True)
-    first, first_adapter, first_log = worker_run(shared_cache, tmp_path, "first", env=caches, **plan)
-    second, second_adapter, second_log = worker_run(shared_cache, tmp_path, "second", env=caches, **plan)
+    first, first_adapter, first_log = compiled_run.result
+    second, second_adapter, second_log = worker_run(shared_cache, tmp_path, "second", env=compiled_run.caches,
+                                                    **COMPILED)
     assert (first["compile_stats"]["cache_hits"], first["compile_stats"]["cache_misses"]) == (0, 2)
     assert (second["compile_stats"]["cache_hits"], second["compile_stats"]["cache_misses"]) == (2, 0)
     assert "Inductor graphs 0 from the compile cache, 2 compiled" in first_log
