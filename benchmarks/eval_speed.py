@@ -198,7 +198,8 @@ def usable_backends(device, requested: list[str] | None) -> list[str]:
     import torch
 
     from finetune_flows.models.backends import candidates, installed, usable
-    from finetune_flows.runtime.environment import STACK, _version
+    from finetune_flows.packages import installed_version
+    from finetune_flows.runtime.environment import STACK
     from finetune_flows.runtime.gpus import GpuInfo
 
     if device.type != "cuda":
@@ -206,7 +207,7 @@ def usable_backends(device, requested: list[str] | None) -> list[str]:
     cc = torch.cuda.get_device_capability(device)
     gpu = GpuInfo(index=0, name=torch.cuda.get_device_name(device), memory_total_mib=0, memory_free_mib=0,
                   capability=cc)
-    attention = installed(True, {d: _version(d) for d in STACK})
+    attention = installed(True, {d: installed_version(d) for d in STACK})
     if requested is None:
         return candidates(attention, [gpu], "bf16")
     return [n for n in requested if "/" in n or usable(n, attention, [gpu], "bf16") is None]  # Hub ids: as given
@@ -291,7 +292,8 @@ def main() -> int:
     import torch
 
     from finetune_flows.models.backends import attention_shape, choose, measure_on_device
-    from finetune_flows.runtime.environment import STACK, _version
+    from finetune_flows.packages import installed_version
+    from finetune_flows.runtime.environment import STACK
     from finetune_flows.evaluation.worker import _load_with_adapter, auto_batch_tokens
     from finetune_flows.evaluation.generation import (
         choose_engine, continuous_supports, generate_continuous, generate_reference, stop_token_ids,
@@ -417,7 +419,7 @@ def main() -> int:
                   "eval_dtype": str(copy_model.dtype).removeprefix("torch.")},
         "cpu": {"torch_threads": torch.get_num_threads(), "cores": os.cpu_count(),
                 "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
-        "versions": {"python": platform.python_version(), **{d: _version(d) for d in STACK},
+        "versions": {"python": platform.python_version(), **{d: installed_version(d) for d in STACK},
                      "cuda": torch.version.cuda},
         "baseline_seconds": baseline["seconds"],
         "seconds": auto_row["seconds"] if auto_row else None,

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from finetune_flows.data.dataset import load_split  # noqa: E402
 from finetune_flows.files import write_json  # noqa: E402
+from finetune_flows.packages import installed_version  # noqa: E402
 from finetune_flows.data.packing import TokenTally  # noqa: E402
 from finetune_flows.training.clock import StepClock, device_events, steady_state  # noqa: E402
 
@@ -61,16 +62,8 @@ def clocked(trainer, events=None) -> tuple[TokenCounter, StepClock]:
 
 
 def versions() -> dict[str, str | None]:
-    import importlib.metadata as md
-
-    out = {}
-    for name in ("unsloth", "unsloth_zoo", "trl", "transformers", "peft", "bitsandbytes", "liger-kernel", "datasets",
-                 "torch"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
-    return out
+    return {d: installed_version(d) for d in ("unsloth", "unsloth_zoo", "trl", "transformers", "peft", "bitsandbytes",
+                                               "liger-kernel", "datasets", "torch")}
 
 
 def budget(job: dict) -> None:

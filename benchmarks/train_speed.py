@@ -65,6 +65,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 
 # rows, workload stats and reports mark work as done: written whole or not at all, so a kill cannot leave half
 from finetune_flows.files import write_atomic, write_json  # noqa: E402 (needs REPO on sys.path)
+from finetune_flows.packages import installed_version  # noqa: E402
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 EVAL_ROWS = 200
@@ -604,17 +605,9 @@ def host_dispatch_us(ops: int = 2000, repeats: int = 5) -> float:
     return round(sorted(times)[len(times) // 2], 2)
 
 
-def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {}
-    for d in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel", "flash-attn-4",
-              "triton", "prefect"):
-        try:
-            out[d] = md.version(d)
-        except md.PackageNotFoundError:
-            out[d] = None
-    return out
+def versions() -> dict[str, str | None]:
+    return {d: installed_version(d) for d in ("torch", "transformers", "peft", "accelerate", "bitsandbytes",
+                                               "liger-kernel", "flash-attn-4", "triton", "prefect")}
 
 
 def machine_of(row: dict) -> str:

@@ -103,11 +103,11 @@ class Keys:
         assert not changed, f"these should leave the key alone but change it: {changed}"
 
     def assert_library_and_code_in_key(self, monkeypatch, step: str, tmp_path: Path, cfg) -> None:
-        real = fingerprint.package_version
+        real = fingerprint.installed_version
         for lib in fingerprint.STEP_LIBRARIES[step]:
-            monkeypatch.setattr(fingerprint, "package_version", lambda d, lib=lib: "0.0.1" if d == lib else real(d))
+            monkeypatch.setattr(fingerprint, "installed_version", lambda d, lib=lib: "0.0.1" if d == lib else real(d))
             assert self.compute(cfg) != self.reference, f"a {lib} upgrade must change the {step} key"
-        monkeypatch.setattr(fingerprint, "package_version", real)
+        monkeypatch.setattr(fingerprint, "installed_version", real)
         for module in fingerprint.STEP_CODE[step]:
             if not (REPO / "finetune_flows" / f"{module}.py").is_file():
                 continue

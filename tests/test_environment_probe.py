@@ -34,7 +34,7 @@ def test_second_probe_is_reused_and_a_different_stack_probes_again(tmp_path, mon
     assert again == first
 
     # another kernels config (and so another stack version or GPU set) is another key: probed anew
-    monkeypatch.setattr("finetune_flows.runtime.environment._version", lambda dist: "0.0.0-other")
+    monkeypatch.setattr("finetune_flows.runtime.environment.installed_version", lambda dist: "0.0.0-other")
     assert probe_key(None, []) != saved.name
     run_probe(tmp_path / "w3", cache=cache)
     assert (tmp_path / "w3" / "environment.job.json").is_file()

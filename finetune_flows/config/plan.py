@@ -9,7 +9,6 @@ compiles the layers once the first steps show the run repays it (finetune_flows/
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 from typing import Any, Literal
 
@@ -17,6 +16,7 @@ from pydantic import BaseModel
 
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.errors import UserInputError
+from finetune_flows.packages import installed_version
 from finetune_flows.training.planner import TrainingPlan
 
 CompileMode = Literal["off", "start", "deferred"]  # never; before the first step; once the first steps show it pays
@@ -63,10 +63,7 @@ CHUNK_SIZES_SINCE = "0.8.5"  # the first liger-kernel whose fused loss takes `ch
 
 def liger_version() -> str | None:
     """The installed liger-kernel's version (None: not installed), read without importing it (Triton)."""
-    try:
-        return importlib.metadata.version("liger-kernel")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version("liger-kernel")
 
 
 def takes_chunk_sizes(version: str | None) -> bool:

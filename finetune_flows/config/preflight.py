@@ -15,7 +15,6 @@ its config.json (no weights) before training launches.
 from __future__ import annotations
 
 import ast
-import importlib.metadata
 import importlib.util
 import os
 from functools import lru_cache
@@ -26,6 +25,7 @@ from finetune_flows.data.dataset import normalize, read_rows, split
 from finetune_flows.errors import ConfigError, DataError, EnvironmentMismatch, UserInputError
 from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
 from finetune_flows.models.sources import check_model_source
+from finetune_flows.packages import installed_version
 from finetune_flows.runtime.policy import allowed_config
 from finetune_flows.reporting.tracking import tracking_problems
 from finetune_flows.runtime.environment import PROBE_DIR_ENV, probe_dir
@@ -146,14 +146,6 @@ def optimizer_problems(cfg: FinetuneConfig) -> list[str]:
             + (f" (similar: {', '.join(close)})" if close else f"; known: {', '.join(sorted(names))}")]
 
 
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.version(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
 def machine_problems(cfg: FinetuneConfig, inventory: list[GpuInfo] | None = None) -> list[str]:
     """GPU ids against NVML's inventory, and what the attention backend needs (the environment step, which loads
     torch, checks the rest)."""
@@ -168,7 +160,7 @@ def machine_problems(cfg: FinetuneConfig, inventory: list[GpuInfo] | None = None
             if ids == []:
                 problems.append(f"{key}={attn} needs a CUDA GPU, but this run uses the CPU "
                                 f"(hardware.gpus={cfg.hardware.gpus})")
-            if not _installed(FLASH_PACKAGES[attn]):
+            if installed_version(FLASH_PACKAGES[attn]) is None:
                 problems.append(f"{key}={attn} needs the {FLASH_PACKAGES[attn]} package, which is not installed")
     return problems
 

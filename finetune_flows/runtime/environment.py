@@ -9,7 +9,6 @@ whether the Hub is reachable. Then `resolve_plan` turns every `auto` of the conf
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import math
 import os
@@ -24,6 +23,7 @@ from finetune_flows.models.backends import (
     BackendTiming, attention_shape, installed, measured_timings, resolve_attention,
 )
 from finetune_flows.config.plan import Plan, liger_version, loss_chunk_setting, training_settings
+from finetune_flows.packages import installed_version
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.errors import EnvironmentMismatch, WorkerFailed
 from finetune_flows.evaluation.generation import choose_engine, continuous_supports
@@ -62,13 +62,6 @@ class EnvironmentReport(BaseModel):
         return self.attention.get(backend) == "available"
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _hub_reachable() -> bool:
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
         return False
@@ -91,7 +84,7 @@ def probe(gpus: list[GpuInfo], kernels: dict[str, str] | None = None) -> Environ
     whether the configured layer kernels load. `gpus` is the run's one reading of the inventory."""
     import torch
 
-    versions = {d: _version(d) for d in STACK}
+    versions = {d: installed_version(d) for d in STACK}
     driver = _driver_version() if gpus else None
     cuda = torch.cuda.is_available()
     try:
@@ -293,7 +286,7 @@ def probe_key(kernels: dict[str, str] | None, gpus: list[GpuInfo]) -> str:
     """Everything the probe's answer depends on, read without importing torch: the interpreter, the installed
     versions of the stack, the platform, the driver, the GPUs (identity, not free memory) and the visible set."""
     ident = {"format": PROBE_FORMAT, "python": sys.executable, "version": sys.version, "host": socket.gethostname(),
-             "platform": platform.platform(), "versions": {d: _version(d) for d in STACK},
+             "platform": platform.platform(), "versions": {d: installed_version(d) for d in STACK},
              "driver": _driver_version() if gpus else None, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
              "gpus": [(g.index, g.uuid, g.name, g.memory_total_mib, g.mig) for g in gpus],
              "kernels": kernels or {}, "local_kernels": os.environ.get("LOCAL_KERNELS", "") if kernels else ""}

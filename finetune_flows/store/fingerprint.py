@@ -8,13 +8,13 @@ not in the keys: entries live under it (store/entries.py), so a run with another
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import re
 from pathlib import Path
 from typing import Any
 
 from finetune_flows.errors import DataError, ModelSourceError
+from finetune_flows.packages import installed_version
 
 _PROJECT = Path(__file__).resolve().parents[1]  # the finetune_flows package
 
@@ -59,10 +59,11 @@ STEP_ENTRIES: dict[str, tuple[str, ...]] = {
     "merge-adapter": ("export/merge",),
 }
 # How the work runs and is recorded, not what it computes: processes, locks, logs, events, timing, atomic writes, the
-# store, the config's schema and checks (its values are in the keys), and the plan's resolution (the resolved device,
-# precision, attention backends and strategy are in the keys; the training planner is in its step's code).
+# store, the config's schema and checks (its values are in the keys), the installed versions' lookup (the versions are
+# in the keys), and the plan's resolution (the resolved device, precision, attention backends and strategy are in the
+# keys; the training planner is in its step's code).
 PLUMBING_CODE = frozenset({
-    "errors", "files", "logs", "orchestration/concurrency", "reporting/progress", "reporting/tracking",
+    "errors", "files", "logs", "packages", "orchestration/concurrency", "reporting/progress", "reporting/tracking",
     "runtime/environment", "runtime/forkserver", "runtime/gpus", "runtime/launcher", "runtime/lifecycle",
     "runtime/policy", "runtime/processes", "store/entries", "store/fingerprint", "training/attempts",
     "training/checkpoints", "training/clock", "training/profiling", "config/preflight", "config/schema",
@@ -111,17 +112,10 @@ def code_version(*modules: str) -> str:
     return hash_bytes_of([p for p in (_PROJECT / f"{m}.py" for m in sorted(modules)) if p.is_file()])[:16]
 
 
-def package_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def step_versions(step: str) -> dict[str, Any]:
     """The code and library versions that go into a step's key."""
     return {"code": code_version(*STEP_CODE[step]),
-            "libraries": {d: package_version(d) for d in STEP_LIBRARIES[step]}}
+            "libraries": {d: installed_version(d) for d in STEP_LIBRARIES[step]}}
 
 
 def resolve_hub_revision(repo_id: str, revision: str | None, repo_type: str) -> str:
