@@ -23,20 +23,38 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+PEERS = ("unsloth", "trl", "trl-bf16")
 
+
+def first_imports(job_path: str) -> dict:
+    """The job, offline, and Unsloth's import before transformers': Unsloth patches transformers as it is imported, and
+    fully only when it comes first ("Unsloth should be imported before [transformers] to ensure all optimizations are
+    applied"); the project's modules imported below import transformers."""
+    job = json.loads(Path(job_path).read_text())
+    if job.get("peer") not in PEERS:
+        raise SystemExit(f"unknown peer {job.get('peer')!r}: one of {', '.join(PEERS)}")
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "UNSLOTH_DISABLE_STATISTICS"):
+        os.environ.setdefault(key, "1")
+    if job["peer"] == "unsloth":
+        import unsloth  # noqa: F401
+    return job
+
+
+if __name__ == "__main__":
+    first_imports(sys.argv[1])
+
+from benchmarks.seed_recipe import train_timed  # noqa: E402  (timed and reported as the seed is)
 from finetune_flows.data.dataset import load_split  # noqa: E402
 from finetune_flows.files import write_json  # noqa: E402
 from finetune_flows.packages import installed_version  # noqa: E402
 from finetune_flows.data.packing import TokenTally  # noqa: E402
-from finetune_flows.training.clock import StepClock, device_events, steady_state  # noqa: E402
+from finetune_flows.training.clock import StepClock, device_events  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PEERS = ("unsloth", "trl", "trl-bf16")
 
 
 class TokenCounter(TokenTally):
@@ -128,14 +146,8 @@ def build_trl(job: dict, rows, bf16_base: bool, on_gpu: bool):
 
 
 def main(job_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
+    job = first_imports(job_path)  # run as a script, it has already run before the imports above
     peer = job["peer"]
-    if peer not in PEERS:
-        raise SystemExit(f"unknown peer {peer!r}: one of {', '.join(PEERS)}")
-    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "UNSLOTH_DISABLE_STATISTICS"):
-        os.environ.setdefault(key, "1")
-    if peer == "unsloth":
-        import unsloth  # noqa: F401  (before torch's and transformers' first import, as Unsloth asks)
     import torch
     from datasets import Dataset
 
@@ -148,24 +160,8 @@ def main(job_path: str) -> None:
     else:
         trainer, layout = build_trl(job, rows, peer == "trl-bf16", on_gpu)
     counter, clock = clocked(trainer, device_events() if on_gpu else None)
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    trainer.train()
-    clock.settle()
-    seconds = time.perf_counter() - started
-    if counter.tokens == 0:
-        raise RuntimeError(f"{peer}: no batch was counted (the clock's hook on the model never ran): no figure")
-    trainer.model.save_pretrained(out / "adapter")
-    curve = [(int(e["step"]), float(e["loss"])) for e in trainer.state.log_history if "loss" in e]
     result = {
-        "versions": versions(), "steps": trainer.state.global_step, "train_tokens": counter.tokens,
-        "train_seconds": round(seconds, 2),
-        "tokens_per_second": round(counter.tokens / seconds, 1),
-        "steady_state": steady_state(clock.steps, 1.0, job["warmup"]),
-        "peak_memory_mb": round(torch.cuda.max_memory_reserved() / 2**20, 1) if on_gpu else None,
-        "peak_allocated_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if on_gpu else None,
-        "loss_curve": curve, "adapter_path": str(out / "adapter"),
+        "versions": versions(), **train_timed(trainer, counter, clock, job["warmup"], out),
         "layout": f"{layout}; batches of {job.get('rows_per_micro_batch', 8)} rows x "
                   f"{job['gradient_accumulation_steps']} accumulation",
     }

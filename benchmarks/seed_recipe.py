@@ -54,25 +54,39 @@ def main(job_path: str) -> None:
     )
     clock = StepClock(collator, model, device_events() if on_gpu else None)
     trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator, callbacks=[clock.callback()])
+    result = {
+        **train_timed(trainer, collator, clock, job["warmup"], out),
+        "layout": f"padded batches of 8 rows x {job['gradient_accumulation_steps']} accumulation, sdpa, "
+                  "gradient checkpointing, fp32 upcast, LoRA dropout 0.05",
+    }
+    write_json(out / "result.json", result)
+
+
+def train_timed(trainer, tally, clock: StepClock, warmup: int, out: Path) -> dict:
+    """Train, save the adapter under `out`, and return what every recipe's row reports (the peers' too): the real
+    tokens `tally` counted, per second over the run and in steady state, peak memory reserved and allocated, the
+    loss curve."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     trainer.train()
     clock.settle()
     seconds = time.perf_counter() - started
-    model.save_pretrained(out / "adapter")
-    curve = [(int(e["step"]), float(e["loss"])) for e in trainer.state.log_history if "loss" in e]
-    result = {
-        "steps": trainer.state.global_step, "train_tokens": collator.tokens, "train_seconds": round(seconds, 2),
-        "tokens_per_second": round(collator.tokens / seconds, 1),
-        "steady_state": steady_state(clock.steps, 1.0, job["warmup"]),
+    if tally.tokens == 0:
+        raise RuntimeError("no batch was counted (the clock's hook on the model never ran): no figure")
+    trainer.model.save_pretrained(out / "adapter")
+    return {
+        "steps": trainer.state.global_step, "train_tokens": tally.tokens, "train_seconds": round(seconds, 2),
+        "tokens_per_second": round(tally.tokens / seconds, 1),
+        "steady_state": steady_state(clock.steps, 1.0, warmup),
         "peak_memory_mb": round(torch.cuda.max_memory_reserved() / 2**20, 1) if on_gpu else None,
         "peak_allocated_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if on_gpu else None,
-        "loss_curve": curve, "adapter_path": str(out / "adapter"),
-        "layout": f"padded batches of 8 rows x {job['gradient_accumulation_steps']} accumulation, sdpa, "
-                  "gradient checkpointing, fp32 upcast, LoRA dropout 0.05",
+        "loss_curve": [(int(e["step"]), float(e["loss"])) for e in trainer.state.log_history if "loss" in e],
+        "adapter_path": str(out / "adapter"),
     }
-    write_json(out / "result.json", result)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, load_benchmark
+from conftest import REPO, child_env, load_benchmark
 
 
 def row(name: str, run: str, shape: str, speed: float | None, budget: int | None = None, **extra) -> dict:
@@ -220,3 +220,18 @@ def test_a_peers_trainer_is_clocked_like_ours_and_counts_the_tokens_its_model_ra
     trainer.train()
     assert [(step, tokens) for step, _, tokens, _ in clock.steps] == [(1, sum(lengths[:4])), (2, sum(lengths[4:]))]
     assert counter.tokens == sum(lengths) and all(seconds > 0 for _, seconds, _, _ in clock.steps)
+
+
+def test_the_unsloth_row_imports_unsloth_before_anything_imports_transformers(tmp_path):
+    """Unsloth patches transformers fully only when it is imported first (it warns "Unsloth should be imported before
+    [transformers]" and may run slower otherwise). It refuses to import without a GPU, so a stand-in on the path stops
+    the recipe at that import and says what was imported before it."""
+    stand_in = tmp_path / "site" / "unsloth"
+    stand_in.mkdir(parents=True)
+    (stand_in / "__init__.py").write_text(
+        "import sys\nraise SystemExit('before unsloth: ' + repr(sorted({'torch', 'transformers'} & set(sys.modules))))\n")
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"peer": "unsloth"}))
+    proc = subprocess.run([sys.executable, "benchmarks/peer_recipe.py", str(job)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=child_env(PYTHONPATH=str(tmp_path / "site")))
+    assert proc.returncode != 0 and "before unsloth: []" in proc.stderr, proc.stderr[-2000:]
