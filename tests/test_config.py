@@ -69,6 +69,15 @@ def test_override_errors_name_the_key():
         load_config(None, ["train.nope=1"])
 
 
+def test_zero_steps_is_refused_not_read_as_a_whole_epoch():
+    """The Trainer trains `epochs` when max_steps <= 0: a 0 would quietly run an epoch (the demo: minutes)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.max_steps=0"])
+    assert str(info.value).endswith("train.max_steps: 0 steps: a positive number of optimizer steps, or -1 to train "
+                                    "for `train.epochs` (got 0)")
+    assert load_config(None, ["train.max_steps=-1"]).train.max_steps == -1
+
+
 def test_impossible_combinations():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["train.precision=fp16", "quantization.compute_dtype=bfloat16",

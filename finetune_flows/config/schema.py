@@ -200,6 +200,13 @@ class TrainConfig(Section):
                          "out-of-memory attempt is not counted: it is repeated at once with smaller micro-batches.")
     retry_delay_seconds: float = Field(10.0, ge=0, description="First retry delay; doubles each retry.")
 
+    @field_validator("max_steps")
+    @classmethod
+    def _steps(cls, v: int) -> int:
+        if v == 0:  # the Trainer reads max_steps <= 0 as "train for the epochs": 0 would silently run a whole epoch
+            raise ValueError("0 steps: a positive number of optimizer steps, or -1 to train for `train.epochs`")
+        return v
+
 
 class HardwareConfig(Section):
     gpus: str = Field(
@@ -514,7 +521,7 @@ def _describe(errors: list[dict[str, Any]]) -> list[str]:
             line["should"].append(msg.removeprefix(SHOULD).split(", ")[0]
                                   + (f" (item {'.'.join(map(str, where))})" if where else ""))
         else:
-            line["other"].append(msg)
+            line["other"].append(msg.removeprefix("Value error, "))  # our validators' own messages, as written
         if depth and len(loc) == depth + 1:  # the whole value, where an item's error came first
             line["got"] = err.get("input")
     problems = []
