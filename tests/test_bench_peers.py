@@ -229,7 +229,8 @@ def test_the_unsloth_row_imports_unsloth_before_anything_imports_transformers(tm
     stand_in = tmp_path / "site" / "unsloth"
     stand_in.mkdir(parents=True)
     (stand_in / "__init__.py").write_text(
-        "import sys\nraise SystemExit('before unsloth: ' + repr(sorted({'torch', 'transformers'} & set(sys.modules))))\n")
+        "import sys\n"
+        "raise SystemExit('before unsloth: ' + repr(sorted({'torch', 'transformers'} & set(sys.modules))))\n")
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"peer": "unsloth"}))
     proc = subprocess.run([sys.executable, "benchmarks/peer_recipe.py", str(job)], cwd=REPO, capture_output=True,
