@@ -42,7 +42,6 @@ from typing import Iterator
 from benchmarks.scale_common import (
     config, fresh, head_lines, host_hardware, loss_difference, metrics_row, quantized_base, resolved, workload_dataset)
 from benchmarks.train_speed import MemoryPoller, gpu_name
-from finetune_flows.packages import installed_version
 from finetune_flows.runtime.launcher import STABLE_HASHES, training_env
 
 LAUNCHERS = ("host", "torchrun-2node", "ray-2node")
@@ -72,10 +71,6 @@ def names(spec: str) -> list[str]:
     if unknown:
         raise SystemExit(f"--launchers: unknown {', '.join(unknown)} (choose from {', '.join(LAUNCHERS)})")
     return chosen
-
-
-def ray_version() -> str | None:
-    return installed_version("ray")
 
 
 def free_port() -> int:

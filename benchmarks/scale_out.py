@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from finetune_flows.files import write_atomic, write_json  # noqa: E402  (the path above first)
+from finetune_flows.packages import installed_version  # noqa: E402
 from benchmarks.scale_common import (  # noqa: E402  (the path above first)
     config, fresh, head_lines, host_hardware, loss_difference, metrics_row, quantized_base, resolved, workload_dataset)
 from benchmarks.train_speed import (  # noqa: E402  (the path above first)
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import scale_launchers
 
         kept = state / "runs" / "launchers"
-        report["versions"]["ray"] = scale_launchers.ray_version()
+        report["versions"]["ray"] = installed_version("ray")
         names = scale_launchers.names(args.launchers)
         bench = scale_launchers.LaunchBench(args, env, state, cache, data, stats)
         run_one, key, finish, render = bench.run, "launcher", scale_launchers.finish, scale_launchers.markdown

@@ -16,7 +16,6 @@ from pydantic import BaseModel
 
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.errors import UserInputError
-from finetune_flows.packages import installed_version
 from finetune_flows.training.planner import TrainingPlan
 
 CompileMode = Literal["off", "start", "deferred"]  # never; before the first step; once the first steps show it pays
@@ -59,11 +58,6 @@ def liger_setting(cfg: FinetuneConfig, device: str) -> bool:
 
 
 CHUNK_SIZES_SINCE = "0.8.5"  # the first liger-kernel whose fused loss takes `chunk_mem_const` (loss_chunks.py)
-
-
-def liger_version() -> str | None:
-    """The installed liger-kernel's version (None: not installed), read without importing it (Triton)."""
-    return installed_version("liger-kernel")
 
 
 def takes_chunk_sizes(version: str | None) -> bool:

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from finetune_flows.models.backends import (
     BackendTiming, attention_shape, installed, measured_timings, resolve_attention,
 )
-from finetune_flows.config.plan import Plan, liger_version, loss_chunk_setting, training_settings
+from finetune_flows.config.plan import Plan, loss_chunk_setting, training_settings
 from finetune_flows.packages import installed_version
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.errors import EnvironmentMismatch, WorkerFailed
@@ -185,7 +185,7 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
                                         dtype_bytes=4 if compute == "float32" else 2)
     plan = plan.model_copy(update={"strategy": strategy, "strategy_choice": choice,
                                    **training_settings(cfg, plan.device, strategy)})
-    loss_chunk_setting(cfg, plan.liger, liger_version())  # a chunk size this Liger cannot honour: refused here
+    loss_chunk_setting(cfg, plan.liger, installed_version("liger-kernel"))  # a chunk size this Liger cannot honour: refused here
     if on_gpu and budget is not None and (short := budget_shortfall(cfg, plan)):
         raise EnvironmentMismatch([short], "config vs environment")
     if cfg.hardware.attn_implementation == "auto" and cfg.train.packing and plan.compile != "off":

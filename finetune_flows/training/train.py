@@ -18,12 +18,13 @@ from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.training.distributed import fingerprint_parts, train_command, world_size
-from finetune_flows.config.plan import Plan, liger_version, loss_chunk_setting, worker_config
+from finetune_flows.config.plan import Plan, loss_chunk_setting, worker_config
 from finetune_flows.errors import UserInputError
 from finetune_flows.store.fingerprint import combine, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.runtime.launcher import compile_caches, gpu_models, run_worker, training_env, write_job
 from finetune_flows.logs import run_logger
+from finetune_flows.packages import installed_version
 from finetune_flows.training.planner import (
     ModelShape, TrainingPlan, plan_training, planning_bytes,
 )
@@ -118,7 +119,7 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             mean_row=sum(lengths) / len(lengths), rows_per_step=t.per_device_batch_size * t.gradient_accumulation_steps,
             packing=t.packing, micro_batch_tokens=t.micro_batch_tokens, checkpointing=t.gradient_checkpointing,
             four_bit=base.load_in_4bit, lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
-            fused_ce=plan.liger, loss_chunk_tokens=loss_chunk_setting(cfg, plan.liger, liger_version()),
+            fused_ce=plan.liger, loss_chunk_tokens=loss_chunk_setting(cfg, plan.liger, installed_version("liger-kernel")),
             dtype_bytes=2 if plan.compute_dtype != "float32" else 4,
             upcast=plan.upcast_frozen, per_device_rows=t.per_device_batch_size,
             accumulation=t.gradient_accumulation_steps, dequantize=plan.dequantize_base,
