@@ -36,8 +36,8 @@ from finetune_flows.files import write_atomic, write_json  # noqa: E402  (the pa
 from finetune_flows.packages import installed_version  # noqa: E402
 from benchmarks.scale_common import (  # noqa: E402  (the path above first)
     config, fresh, head_lines, host_hardware, loss_difference, metrics_row, quantized_base, resolved, workload_dataset)
-from benchmarks.train_speed import (  # noqa: E402  (the path above first)
-    MemoryPoller, child_env, gpu_name, versions, workload_for)
+from benchmarks.train_report import versions  # noqa: E402
+from benchmarks.train_speed import MemoryPoller, child_env, gpu_name, workload_for  # noqa: E402
 
 
 def run(args, env, state: Path, cache: Path, strategy: str, data: Path, stats: dict) -> dict:

@@ -34,7 +34,7 @@ def report_of(bench, state, runs: list[dict]) -> dict:
 
 
 def test_ours_over_the_fastest_peer_per_shape_and_budget_and_failed_rows_keep_their_error(tmp_path):
-    bench = load_benchmark("train_speed")
+    bench = load_benchmark("train_report")
     runs = [row("ours-qwen3-0.6b", "ours", "qwen3-0.6b", 100.0), row("trl-qwen3-0.6b", "trl", "qwen3-0.6b", 40.0),
             row("unsloth-qwen3-0.6b", "unsloth", "qwen3-0.6b", 50.0),
             row("trl-bf16-qwen3-0.6b", "trl-bf16", "qwen3-0.6b", None,
@@ -76,7 +76,7 @@ def test_ours_over_the_fastest_peer_per_shape_and_budget_and_failed_rows_keep_th
 def test_a_ratio_whose_rows_ran_on_different_machines_says_so(tmp_path):
     """Calls joined by --resume-from may pair rows from two machines of the same card: the report names those ratios
     (by GPU UUID; a joined row without one counts as its own report's machine)."""
-    bench = load_benchmark("train_speed")
+    bench = load_benchmark("train_report")
     old = {"report": "benchmarks/results/old/report.json", "date": "20261201-000000"}
     runs = [row("ours-qwen3-8b", "ours", "qwen3-8b", 100.0, machine="GPU-a"),
             row("ours-fp8-qwen3-8b", "ours-fp8", "qwen3-8b", 120.0, machine="GPU-b"),
@@ -112,7 +112,7 @@ def test_a_peer_batch_size_divides_the_effective_batch_and_its_row_counts_for_th
     runs = [row("ours-qwen3-8b", "ours", "qwen3-8b", 90.0), row("unsloth-qwen3-8b", "unsloth", "qwen3-8b", 20.0),
             row("unsloth-r32-qwen3-8b", "unsloth", "qwen3-8b", 45.0, rows_per_micro_batch=32),
             row("trl-qwen3-8b", "trl", "qwen3-8b", 30.0)]
-    report = report_of(bench, tmp_path, runs)
+    report = report_of(load_benchmark("train_report"), tmp_path, runs)
     assert report["speedup"]["vs_best_peer"] == {"qwen3-8b": 2.0}
     assert report["best_peer"] == {"qwen3-8b": "unsloth-r32-qwen3-8b"}
 
@@ -172,7 +172,7 @@ def test_a_peer_that_fails_is_a_row_with_its_error_and_the_seed_still_runs(tmp_p
 
 
 def test_an_earlier_calls_rows_join_the_state_without_replacing_what_is_there(tmp_path):
-    bench = load_benchmark("train_speed")
+    bench = load_benchmark("train_report")
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({"runs": [row("ours-qwen3-8b", "ours", "qwen3-8b", 10.0, host="a"),
                                             row("trl-qwen3-8b", "trl", "qwen3-8b", 5.0, host="a")],

@@ -66,7 +66,7 @@ def test_a_workload_cut_short_while_marking_itself_done_is_made_again(tmp_path, 
 
 
 def test_the_layout_column_names_the_planners_switches_that_change_speed():
-    bench = load_benchmark("train_speed")
+    bench = load_benchmark("train_report")
     plan = {"gradient_checkpointing": True, "dequantize_base": True, "fp8_base": False, "compile_layers": True}
     row = {"layout": "packed micro-batches of <= 10098 tokens x 1 accumulation", "training_plan": plan}
     assert bench._layout(row) == ("packed micro-batches of <= 10098 tokens x 1 accumulation; activation checkpointing; "
@@ -80,7 +80,7 @@ def test_two_gpu_variants_get_their_own_scaling_beside_the_plain_one(tmp_path):
     1-GPU variant of the same label under its own key, never overwriting the plain one."""
     from types import SimpleNamespace
 
-    bench = load_benchmark("train_speed")
+    bench = load_benchmark("train_report")
     (tmp_path / "runs").mkdir()
     for name, speed in [("ours-qwen3-0.6b", 100.0), ("ours-2gpu-qwen3-0.6b", 190.0),
                         ("ours-noliger-qwen3-0.6b", 80.0), ("ours-2gpu-noliger-qwen3-0.6b", 120.0)]:

@@ -81,7 +81,7 @@ def test_the_training_report_shows_a_profiled_runs_kernels_and_host_side():
 
     from conftest import REPO, load_benchmark
 
-    bench = load_benchmark("train_speed")
+    bench = load_benchmark("train_report")
     report = json.loads((REPO / "benchmarks/results/train-bench-1xGPU-20261203-122342/report.json").read_text())
     run = next(r for r in report["runs"] if r["name"] == "ours-qwen3-8b-24gib")
     run["profile"] = summarize(_CudaProfile(), wall_seconds=0.8, steps=2)
