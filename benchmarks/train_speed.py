@@ -560,6 +560,41 @@ class Bench:
         return row
 
 
+def jobs_for(bench: Bench, args, shape: str, data: Path, stats: dict, budget: int | None,
+             peer_rows: list[int]) -> list[tuple]:
+    """The rows of one shape and budget, in order: (row label, the row's run, a peer's rows a micro-step, callable)."""
+    jobs = []
+    for run in [r for r in args.runs.split(",") if r]:
+        if run == "seed":
+            jobs.append(("seed", "seed", None, lambda: bench.run_seed(shape, data, stats, budget)))
+        elif run == "ours":
+            jobs.append(("ours", "ours", None,
+                         lambda: bench.run_ours(shape, data, stats, "ours", 1, [], False, budget)))
+            if args.profile:  # a separate run, so the profiler never slows the measured one
+                jobs.append(("ours-profile", "ours", None, lambda: bench.run_ours(
+                    shape, data, stats, "ours-profile", 1, [], True, budget)))
+        elif run == "ours-2gpu":
+            if len(bench.gpu_ids) >= 2:
+                jobs.append(("ours-2gpu", "ours-2gpu", None, lambda: bench.run_ours(
+                    shape, data, stats, "ours-2gpu", 2, [], False, budget)))
+            else:
+                print(f"[{shape}] ours-2gpu skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
+        else:
+            jobs += [(peer_label(run, n), run, n, lambda run=run, n=n: bench.run_peer(
+                run, shape, data, stats, budget, n)) for n in peer_rows]
+    for variant in args.variant:
+        label, _, kv = variant.partition(":")
+        gpus = 2 if label.startswith("2gpu-") else 1  # 2gpu-<label>: the variant on two GPUs (DDP)
+        if gpus > max(1, len(bench.gpu_ids)):
+            print(f"[{shape}] ours-{label} skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
+            continue
+        items = [x for x in kv.split(",") if x]
+        jobs.append((f"ours-{label}", f"ours-{label}", None,
+                     lambda label=label, gpus=gpus, items=items: bench.run_ours(
+                         shape, data, stats, f"ours-{label}", gpus, items, args.profile, budget)))
+    return jobs
+
+
 def main(argv: list[str] | None = None) -> int:
     from finetune_flows.runtime.environment import run_probe
 
@@ -616,35 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in [s for s in args.shapes.split(",") if s]:
             data, stats = workload_for(shape, args.rows, state, bench.cache, args.smoke)
             for budget in budgets:
-                jobs = []  # (row label, the row's run, a peer's rows a micro-step, callable)
-                for run in [r for r in args.runs.split(",") if r]:
-                    if run == "seed":
-                        jobs.append(("seed", "seed", None, lambda: bench.run_seed(shape, data, stats, budget)))
-                    elif run == "ours":
-                        jobs.append(("ours", "ours", None,
-                                     lambda: bench.run_ours(shape, data, stats, "ours", 1, [], False, budget)))
-                        if args.profile:  # a separate run, so the profiler never slows the measured one
-                            jobs.append(("ours-profile", "ours", None, lambda: bench.run_ours(
-                                shape, data, stats, "ours-profile", 1, [], True, budget)))
-                    elif run == "ours-2gpu":
-                        if len(bench.gpu_ids) >= 2:
-                            jobs.append(("ours-2gpu", "ours-2gpu", None, lambda: bench.run_ours(
-                                shape, data, stats, "ours-2gpu", 2, [], False, budget)))
-                        else:
-                            print(f"[{shape}] ours-2gpu skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
-                    else:
-                        jobs += [(peer_label(run, n), run, n, lambda run=run, n=n: bench.run_peer(
-                            run, shape, data, stats, budget, n)) for n in peer_rows]
-                for variant in args.variant:
-                    label, _, kv = variant.partition(":")
-                    gpus = 2 if label.startswith("2gpu-") else 1  # 2gpu-<label>: the variant on two GPUs (DDP)
-                    if gpus > max(1, len(bench.gpu_ids)):
-                        print(f"[{shape}] ours-{label} skipped: {len(bench.gpu_ids)} GPU(s) here", flush=True)
-                        continue
-                    items = [x for x in kv.split(",") if x]
-                    jobs.append((f"ours-{label}", f"ours-{label}", None,
-                                 lambda label=label, gpus=gpus, items=items: bench.run_ours(
-                                     shape, data, stats, f"ours-{label}", gpus, items, args.profile, budget)))
+                jobs = jobs_for(bench, args, shape, data, stats, budget, peer_rows)
                 for name, run, rows, job in jobs:
                     try:
                         job()

@@ -184,3 +184,29 @@ def test_a_variant_sets_config_keys_and_in_capitals_the_workers_environment_and_
     assert proc.returncode != 0
     assert "--variant: 'NCCL_DEBUG' is not key=value" in proc.stderr
     assert "base model ready" not in proc.stdout  # nothing ran
+
+
+def test_the_rows_of_a_shape_and_budget_in_the_order_asked_with_two_gpu_rows_skipped_on_one_gpu(capsys):
+    """What each row runs: the seed, ours (and its profile), each peer once per batch size, then each variant; a row
+    that needs two GPUs is skipped with a line on one."""
+    from types import SimpleNamespace
+
+    bench = load_benchmark("train_speed")
+    calls = []
+    runner = SimpleNamespace(gpu_ids=[0], run_seed=lambda *a: calls.append(("seed", *a)),
+                             run_ours=lambda *a: calls.append(("ours", *a)),
+                             run_peer=lambda *a: calls.append(("peer", *a)))
+    args = SimpleNamespace(runs="seed,ours,ours-2gpu,unsloth", profile=True,
+                           variant=["fp8:train.fp8_base=true,NCCL_DEBUG=INFO", "2gpu-x:train.compile=false"])
+    jobs = bench.jobs_for(runner, args, "qwen3-8b", Path("data"), {}, 24, [8, 32])
+    assert [(name, run, rows) for name, run, rows, _ in jobs] == [
+        ("seed", "seed", None), ("ours", "ours", None), ("ours-profile", "ours", None),
+        ("unsloth", "unsloth", 8), ("unsloth-r32", "unsloth", 32), ("ours-fp8", "ours-fp8", None)]
+    assert "ours-2gpu skipped: 1 GPU(s) here" in capsys.readouterr().out
+    for *_, job in jobs:
+        job()
+    shape = ("qwen3-8b", Path("data"), {})
+    assert calls == [("seed", *shape, 24), ("ours", *shape, "ours", 1, [], False, 24),
+                     ("ours", *shape, "ours-profile", 1, [], True, 24), ("peer", "unsloth", *shape, 24, 8),
+                     ("peer", "unsloth", *shape, 24, 32),
+                     ("ours", *shape, "ours-fp8", 1, ["train.fp8_base=true", "NCCL_DEBUG=INFO"], True, 24)]
