@@ -8,8 +8,9 @@
   is stopped. Exit status 128 + the signal; running the same command again resumes.
 - One signal ends the process within `hardware.stop_grace_seconds` + STOP_MARGIN_SECONDS, and at most
   DRAIN_SECONDS after the run has unwound, whatever Prefect's background services still hold: with the API server
-  gone (a SIGTERM to the process group stops it too), Prefect retried reporting the crash for a minute and its
-  event worker's drain at interpreter exit retried for good.
+  gone, Prefect retried reporting the crash for a minute and its event worker's drain at interpreter exit retried
+  for good. The temporary server runs in a session of its own, so a signal to the run's process group (a
+  terminal's Ctrl-C) leaves it serving until the run has reported its stop.
 - Without PREFECT_API_URL, Prefect starts a temporary server on the SQLite database in PREFECT_HOME. Two of them
   migrating a fresh database at the same time break each other's migration (alembic: "expected to match one row
   ... 0 found"), and Prefect then waits out its 20 s start timeout ("Timed out while attempting to connect to
@@ -127,13 +128,17 @@ def start_temporary_server() -> None:
 def _server_that_dies_with_us():
     """Prefect's temporary server (one instance per process: SubprocessASGIServer() returns it to the engine too),
     whose process gets SIGTERM when this one dies, also by SIGKILL (PR_SET_PDEATHSIG, as the workers): Prefect stops
-    it only from an atexit hook, which a killed process never runs, and an orphaned server kept running for good."""
+    it only from an atexit hook, which a killed process never runs, and an orphaned server kept running for good.
+    It runs in a session of its own, so a terminal's Ctrl-C (SIGINT to the whole foreground group) stops the run
+    but not the server the run reports its stop to: with the server gone first, Prefect retried that report until
+    the stop deadline ended the process (35 s)."""
     import prefect.server.api.server as server_module
 
     class ServerThatDiesWithUs(server_module.SubprocessASGIServer):
         def _run_uvicorn_command(self):
             real = server_module.subprocess
-            dies_with_us = functools.partial(real.Popen, preexec_fn=preexec_die_with(os.getpid()))
+            dies_with_us = functools.partial(real.Popen, preexec_fn=preexec_die_with(os.getpid()),
+                                             start_new_session=True)
             server_module.subprocess = types.SimpleNamespace(Popen=dies_with_us)  # Prefect's one Popen call
             try:
                 return super()._run_uvicorn_command()

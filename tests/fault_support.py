@@ -21,13 +21,15 @@ def overrides(cache, runs, **extra):
                                           "train.logging_steps": 1, "eval.max_samples": 4, **extra})
 
 
-def start_cli(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+def start_cli(args: list[str], env: dict[str, str], log: Path, own_group: bool = False) -> subprocess.Popen:
     """`python flows/finetune.py` on the defaults plus `args`, as the in-process
-    `finetune(load_config(None, args))` runs it."""
+    `finetune(load_config(None, args))` runs it; with `own_group`, as a terminal starts it: the leader of a process
+    group of its own, which a Ctrl-C signals as a whole."""
     defaults = log.parent / "defaults.yaml"
     defaults.write_text("{}\n")
     argv = [sys.executable, "flows/finetune.py", "--config", str(defaults), *(x for a in args for x in ("--set", a))]
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            process_group=0 if own_group else None)
 
 
 def training_in_progress(cache: Path, seed: int, min_step: int, timeout: float = 600,

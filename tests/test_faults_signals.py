@@ -5,6 +5,7 @@ in the same second on a fresh Prefect home (real processes, real Prefect server,
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -99,6 +100,43 @@ def test_signal_to_the_flow_process_stops_every_worker_frees_the_slot_and_the_ne
         first, last = result.train.attempts[0], result.train.attempts[-1]
         assert first["tokens"] > 0 and result.train.train_tokens == first["tokens"] + last["tokens"] == (
             result.train.last_attempt_tokens + first["tokens"])
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "SIGTERM"])
+def test_a_stop_of_a_run_on_its_temporary_server_ends_it_at_once_with_no_error_from_prefect(cache, tmp_path, how):
+    """A terminal's Ctrl-C signals the whole foreground group: the flow process, its workers and (without
+    PREFECT_API_URL) the temporary Prefect server it started. The server must outlive the signal, or Prefect's
+    clients report the stop to a server that is gone until the stop deadline ends the process. A supervisor's
+    SIGTERM reaches the flow process alone."""
+    from finetune_flows.runtime.lifecycle import FAULTS_ENV
+
+    env = {k: v for k, v in child_env().items() if not k.startswith("PREFECT_")}
+    env.update({"PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                FAULTS_ENV: json.dumps({"step_seconds": 0.2})})
+    args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": 100, "train.seed": 702,
+                                                  "hardware.stop_grace_seconds": 30})
+    log = tmp_path / "cli.log"
+    proc = start_cli(args, env, log, own_group=True)
+    try:
+        training_in_progress(cache, 702, min_step=3, run=proc, log=log)
+        members = tree(proc.pid)  # the flow process, the server, torchrun, the ranks
+        stopped = time.monotonic()
+        sig = signal.SIGINT if how == "ctrl-c" else signal.SIGTERM
+        if how == "ctrl-c":
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        assert proc.wait(timeout=120) == 128 + sig, log.read_text()[-3000:]
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    print(f"FAULT {how} on the temporary server: the CLI exited {took:.1f} s after the signal")
+    assert "did not finish stopping" not in text and "Unable to connect" not in text, text[-3000:]
+    assert took < 20, f"stopping took {took:.0f} s"
+    assert text.count(f"stopped by {sig.name}") == 1, text[-3000:]
+    assert not [m for m in members if m.is_running()], "a process of the run outlived it"
 
 
 @pytest.mark.gpu
