@@ -238,3 +238,26 @@ def test_a_local_run_parses_its_config_once_and_checks_each_data_row_once(tmp_pa
     assert counts.is_file(), done.stderr[-3000:]
     assert json.loads(counts.read_text()) == {"config": 1, "data rows, checks": 1, "data rows, dataset step": 1,
                                               "exit": 0}, done.stderr[-3000:]
+
+
+def test_cli_refuses_lora_targets_the_model_lacks_and_float16_on_the_cpu_before_any_server(tmp_path):
+    """Both were found only inside the flow: the targets in the training step, after the base was quantized (the
+    model loaded), and float16 in the environment step, each after a Prefect server had started."""
+    done = cli(tmp_path, "--set", "lora.target_modules=[q_proj,foo_proj]")
+    assert_one_message_before_any_server(done, tmp_path, "lora.target_modules: the model has no module named foo_proj",
+                                         "its linear layers are down_proj, gate_proj, k_proj")
+    done = cli(tmp_path, "--set", "train.precision=fp16", "--set", "eval.dtype=float16")
+    assert_one_message_before_any_server(done, tmp_path, "config vs this machine: 2 problem(s)",
+                                         "train.precision=fp16 needs a GPU", "eval.dtype=float16 needs a GPU")
+
+
+def test_a_sources_config_is_read_without_weights_or_a_download(tmp_path):
+    from finetune_flows.models.sources import model_config
+
+    assert model_config("generated:qwen3-0.6b").num_hidden_layers == 28
+    assert model_config("nobody-here/no-such-model") is None  # not in the local Hub cache: the training step checks
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256).save_pretrained(tmp_path)
+    assert model_config(str(tmp_path)).num_hidden_layers == 3

@@ -8,8 +8,8 @@ encoding error names its line) and their split (rows to train on, held-out rows 
 prompts are removed), the GPUs through NVML (ids, CUDA_VISIBLE_DEVICES, MIG; no torch, no CUDA context), what the
 attention backend needs from the machine, the optimizer name, the experiment trackers (installed, an MLflow server
 answering), and that the run and cache directories (and $FINETUNE_FLOWS_PROBE_DIR, where set) can be created.
-LoRA target modules need the model's module names: `check_lora_targets` builds the model on the meta device from
-its config.json (no weights) before training launches.
+LoRA target modules are checked against the model's module names, the model built on the meta device from its
+config (no weights): the source's, where one can be read without a download, and again before training launches.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from finetune_flows.config.schema import FinetuneConfig, check_config
 from finetune_flows.data.dataset import normalize, read_rows, split
 from finetune_flows.errors import ConfigError, DataError, EnvironmentMismatch, UserInputError
 from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
-from finetune_flows.models.sources import check_model_source
+from finetune_flows.models.sources import check_model_source, model_config
 from finetune_flows.packages import installed_version
 from finetune_flows.runtime.policy import allowed_config
 from finetune_flows.reporting.tracking import tracking_problems
-from finetune_flows.runtime.environment import PROBE_DIR_ENV, probe_dir
+from finetune_flows.runtime.environment import PROBE_DIR_ENV, cpu_half_precision_problems, probe_dir
 
 FLASH_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3",
                   "flash_attention_4": "flash-attn-4"}
@@ -58,6 +58,7 @@ def _check(cfg: FinetuneConfig, inventory: list[GpuInfo] | None = None) -> Finet
     cfg = allowed_config(check_config(cfg))
     check_model_source(cfg.model.source, cfg.model.trust_remote_code)
     check_data(cfg)
+    check_lora_targets_of_source(cfg)
     check_directories(cfg)
     problems = optimizer_problems(cfg) + machine_problems(cfg, inventory) + tracking_problems(cfg)
     if problems:
@@ -147,14 +148,16 @@ def optimizer_problems(cfg: FinetuneConfig) -> list[str]:
 
 
 def machine_problems(cfg: FinetuneConfig, inventory: list[GpuInfo] | None = None) -> list[str]:
-    """GPU ids against NVML's inventory, and what the attention backend needs (the environment step, which loads
-    torch, checks the rest)."""
+    """GPU ids against NVML's inventory, float16 on the CPU, and what the attention backend needs (the environment
+    step, which loads torch, checks the rest)."""
     problems: list[str] = []
     try:
         reading = read_inventory() if inventory is None else inventory
         ids: list[int] | None = choose_gpu_ids(cfg.hardware.gpus, reading)
     except ConfigError as exc:
         problems, ids = exc.problems, None
+    if ids == []:  # the CPU
+        problems += cpu_half_precision_problems(cfg)
     for key, attn in cfg.attention_settings().items():
         if attn in FLASH_PACKAGES:
             if ids == []:
@@ -169,16 +172,33 @@ def machine_problems(cfg: FinetuneConfig, inventory: list[GpuInfo] | None = None
 
 
 def check_lora_targets(model_dir: Path, targets: list[str] | str, trust_remote_code: bool = False) -> None:
-    """Every `lora.target_modules` entry must name modules of the model, as PEFT matches them (the full name or
-    its last parts). The model is built on the meta device from config.json: no weights, no memory."""
+    """Every `lora.target_modules` entry must name modules of the model in `model_dir` (its config.json)."""
     if targets == "all-linear":
         return
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if hasattr(config, "quantization_config"):  # the 4-bit checkpoint's module names are the plain model's
         del config.quantization_config
+    lora_target_problems(config, targets, trust_remote_code)
+
+
+def check_lora_targets_of_source(cfg: FinetuneConfig) -> None:
+    """check_lora_targets on the model source's config, before anything is loaded or generated: where only a
+    download would give the config (a Hub id not cached here), the training step checks it instead."""
+    if cfg.lora.target_modules == "all-linear":
+        return
+    config = model_config(cfg.model.source, cfg.model.revision, cfg.model.trust_remote_code)
+    if config is not None:
+        lora_target_problems(config, cfg.lora.target_modules, cfg.model.trust_remote_code)
+
+
+def lora_target_problems(config, targets: list[str], trust_remote_code: bool = False) -> None:
+    """Each target must name modules of the model `config` describes, as PEFT matches them (the full name or its
+    last parts). The model is built on the meta device: no weights, no memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     names = [n for n, _ in model.named_modules() if n]

@@ -95,6 +95,28 @@ def check_model_source(source: str, trust_remote_code: bool = False) -> None:
         raise ModelSourceError(f"model.source={source}: no such file or directory")
 
 
+def model_config(source: str, revision: str | None = None, trust_remote_code: bool = False):
+    """The transformers config of a checked source (check_model_source), read without its weights: a generated
+    shape's, a local checkpoint's config.json, a GGUF file's metadata, or a Hub id's config.json where the local
+    Hub cache holds it; None where only a download would give it."""
+    from transformers import AutoConfig
+
+    if source.startswith("generated:"):
+        shape = dict(ARCHS[source.split(":", 1)[1]])
+        return AutoConfig.for_model(shape.pop("model_type"), **shape)
+    path = _builtin_gguf(source.split(":", 1)[1])[0] if source.startswith("builtin:") else Path(source).expanduser()
+    if path.is_file():
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if path.is_dir():
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(source, "config.json", revision=revision)
+    if not isinstance(cached, str):
+        return None
+    return AutoConfig.from_pretrained(Path(cached).parent, trust_remote_code=trust_remote_code)
+
+
 def _refuse_custom_code(source: str, path: Path, config: dict) -> None:
     for name in ("config.json", "tokenizer_config.json"):
         try:

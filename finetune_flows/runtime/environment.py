@@ -111,6 +111,16 @@ def auto_eval_dtype(cfg: FinetuneConfig, on_gpu: bool, cpu_bf16: bool, compute: 
     return "bfloat16" if not on_gpu and cpu_bf16 and wide else compute
 
 
+def cpu_half_precision_problems(cfg: FinetuneConfig) -> list[str]:
+    """The float16 settings that need a GPU, for a run on the CPU."""
+    problems = []
+    if cfg.train.precision == "fp16":
+        problems.append("train.precision=fp16 needs a GPU; on the CPU use fp32, bf16 or auto")
+    if cfg.eval.dtype == "float16":
+        problems.append("eval.dtype=float16 needs a GPU; on the CPU use float32, bfloat16 or auto")
+    return problems
+
+
 def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSelection,
                  timings: list[BackendTiming] | None = None) -> Plan:
     """Every `auto` made concrete; every requirement the machine cannot meet reported together.
@@ -131,8 +141,8 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
     if p == "bf16" and no_bf16:
         problems.extend(f"train.precision=bf16, but GPU {g.index} ({g.name}, compute capability "
                         f"{g.capability[0]}.{g.capability[1]}) has no bf16; use fp16 or auto" for g in no_bf16)
-    if p == "fp16" and not on_gpu:
-        problems.append("train.precision=fp16 needs a GPU; on the CPU use fp32, bf16 or auto")
+    if not on_gpu:
+        problems += cpu_half_precision_problems(cfg)
     compute = cfg.quantization.compute_dtype
     if compute == "auto":
         compute = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[p]
@@ -161,8 +171,6 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
         eval_dtype = auto_eval_dtype(cfg, on_gpu, env.cpu_bf16, compute)
     elif eval_dtype == "bfloat16" and no_bf16:
         problems.append(f"eval.dtype=bfloat16, but GPU {no_bf16[0].index} ({no_bf16[0].name}) has no bf16")
-    elif eval_dtype == "float16" and not on_gpu:
-        problems.append("eval.dtype=float16 needs a GPU; on the CPU use float32, bfloat16 or auto")
 
     src = cfg.model.source
     if not (src.startswith(("builtin:", "generated:")) or Path(src).expanduser().exists()) and not env.hub_reachable:
