@@ -178,3 +178,25 @@ def test_builtin_demo_task_is_deterministic():
     assert ticket_triage(50, seed=1) == ticket_triage(50, seed=1)
     answers = {ex["response"] for ex in ticket_triage(400, seed=1)}
     assert len(answers) == 12  # 4 teams x 3 priorities
+
+
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_column_and_a_missing_field_says_so(tmp_path):
+    """Excel and Notepad save UTF-8 with a byte-order mark: it was read as part of the first column's name (CSV:
+    "cannot tell the format from the columns (response, \\ufeffprompt)") or refused (JSONL)."""
+    bom = "\ufeff".encode()
+    rows = {"rows.csv": b"prompt,response\nhello,there\nsay,hi\n",
+            "rows.jsonl": b'{"prompt": "hello", "response": "there"}\n{"prompt": "say", "response": "hi"}\n',
+            "rows.json": b'[{"prompt": "hello", "response": "there"}]'}
+    for name, body in rows.items():
+        path = tmp_path / name
+        path.write_bytes(bom + body)
+        cfg = cfg_for(path, tmp_path)
+        fmt, examples = normalize(read_rows(str(path), cfg.data), cfg.data, str(path))
+        assert fmt == "instruction" and examples[0][0]["content"] == "hello", name
+    path = tmp_path / "short.jsonl"
+    path.write_text('{"prompt": "a", "response": "b"}\n{"response": "d"}\n{"prompt": null, "response": "e"}\n')
+    cfg = cfg_for(path, tmp_path)
+    with pytest.raises(DataError) as info:
+        normalize(read_rows(str(path), cfg.data), cfg.data, str(path))
+    assert "line 2: `prompt` is missing (no such field in the row)" in str(info.value)
+    assert "line 3: `prompt` is missing (null, or fewer fields than the CSV header)" in str(info.value)

@@ -66,9 +66,13 @@ def json_problem(exc: json.JSONDecodeError) -> str:
     return exc.msg.removesuffix(" at") + " at "
 
 
+# The readers take "utf-8-sig": a UTF-8 file may start with a byte-order mark (Excel and Notepad write one), which is
+# not part of the first key or column name.
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -86,7 +90,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: not valid JSON ({json_problem(exc)}line {exc.lineno}, column {exc.colno})") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
@@ -102,7 +106,7 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f)
         for row in reader:
             where = f"line {reader.line_num}"
@@ -152,6 +156,9 @@ def to_messages(row: dict[str, Any], fmt: str, cfg: DataConfig) -> list[dict[str
                 msgs.append({"role": "system", "content": system})
         for key, role in ((c.prompt, "user"), (c.response, "assistant")):
             value = row.get(key)
+            if value is None:
+                why = "null, or fewer fields than the CSV header" if key in row else "no such field in the row"
+                raise ValueError(f"`{key}` is missing ({why})")
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"`{key}` must be non-empty text (got {value!r})")
             msgs.append({"role": role, "content": value})
