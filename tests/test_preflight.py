@@ -261,3 +261,32 @@ def test_a_sources_config_is_read_without_weights_or_a_download(tmp_path):
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=256).save_pretrained(tmp_path)
     assert model_config(str(tmp_path)).num_hidden_layers == 3
+
+
+def test_a_hub_model_or_dataset_that_cannot_be_had_offline_is_one_message_before_any_server(tmp_path):
+    """Found inside the flow before, after a server had started, and printed three times; a relative path that
+    does not exist read as a Hub id without saying the directory is missing."""
+    done = cli(tmp_path, "--set", "model.source=checkpoints/mymodel", "--set", "data.source=hub:org/tickets")
+    assert_one_message_before_any_server(
+        done, tmp_path, "config vs this machine: 2 problem(s)",
+        f"model.source=checkpoints/mymodel: no local directory {ROOT / 'checkpoints/mymodel'}, and as a Hub id "
+        "checkpoints/mymodel@main is not in the local Hub cache", "data.source=hub:org/tickets: org/tickets@main is "
+        "not in the local Hub cache", "HF_HUB_OFFLINE is set")
+
+
+def test_a_hub_reference_the_local_cache_holds_needs_no_hub(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from finetune_flows.config.preflight import hub_problems
+    from finetune_flows.config.schema import load_config
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "models--org--model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("a" * 40)
+    (repo / "snapshots" / ("b" * 40)).mkdir(parents=True)
+    assert hub_problems(load_config(None, ["model.source=org/model"])) == []
+    assert hub_problems(load_config(None, ["model.source=org/model", f"model.revision={'b' * 40}"])) == []
+    [problem] = hub_problems(load_config(None, ["model.source=org/model", "model.revision=v2"]))
+    assert "org/model@v2 is not in the local Hub cache" in problem

@@ -26,9 +26,10 @@ from finetune_flows.errors import ConfigError, DataError, EnvironmentMismatch, U
 from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
 from finetune_flows.models.sources import check_model_source, model_config
 from finetune_flows.packages import installed_version
+from finetune_flows.store.fingerprint import cached_hub_commit
 from finetune_flows.runtime.policy import allowed_config
 from finetune_flows.reporting.tracking import tracking_problems
-from finetune_flows.runtime.environment import PROBE_DIR_ENV, cpu_half_precision_problems, probe_dir
+from finetune_flows.runtime.environment import PROBE_DIR_ENV, cpu_half_precision_problems, hub_reachable, probe_dir
 
 FLASH_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3",
                   "flash_attention_4": "flash-attn-4"}
@@ -60,7 +61,8 @@ def _check(cfg: FinetuneConfig, inventory: list[GpuInfo] | None = None) -> Finet
     check_data(cfg)
     check_lora_targets_of_source(cfg)
     check_directories(cfg)
-    problems = optimizer_problems(cfg) + machine_problems(cfg, inventory) + tracking_problems(cfg)
+    problems = (optimizer_problems(cfg) + machine_problems(cfg, inventory) + tracking_problems(cfg)
+                + hub_problems(cfg))
     if problems:
         raise EnvironmentMismatch(problems, "config vs this machine")
     return cfg
@@ -97,6 +99,28 @@ def check_data(cfg: FinetuneConfig) -> None:
         raise DataError(f"{d.eval_source} is {formats[d.eval_source]} format but {d.source} is {formats[d.source]}")
     if d.source in examples and (d.eval_source is None or d.eval_source in examples):
         split(d, examples[d.source], examples.get(d.eval_source) if d.eval_source else None)
+
+
+def hub_problems(cfg: FinetuneConfig) -> list[str]:
+    """A Hub model or dataset that neither the local Hub cache holds nor the Hub can give (offline, unreachable):
+    said here, not by the flow's first step after a server has started. Asks the Hub only where the cache lacks it."""
+    wanted = []  # (key, source, repo id, revision, repo type)
+    src = cfg.model.source
+    if not src.startswith(("builtin:", "generated:")) and not Path(src).expanduser().exists():
+        wanted.append(("model.source", src, src, cfg.model.revision, "model"))  # a Hub id (check_model_source)
+    for key, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source)):
+        if source and source.startswith("hub:"):
+            wanted.append((key, source, source[4:], cfg.data.hub_revision, "dataset"))
+    missing = [w for w in wanted if cached_hub_commit(*w[2:]) is None]
+    if not missing or hub_reachable():
+        return []
+    from huggingface_hub.constants import HF_HUB_CACHE, HF_HUB_OFFLINE
+
+    why = "HF_HUB_OFFLINE is set" if HF_HUB_OFFLINE else "the Hugging Face Hub is unreachable"
+    return [f"{key}={source}: " + (f"no local directory {Path(source).expanduser().absolute()}, and as a Hub id "
+                                   if kind == "model" else "") +
+            f"{repo}@{revision or 'main'} is not in the local Hub cache ({HF_HUB_CACHE}) and {why}"
+            for key, source, repo, revision, kind in missing]
 
 
 # ---------------------------------------------------------------- directories

@@ -62,7 +62,8 @@ class EnvironmentReport(BaseModel):
         return self.attention.get(backend) == "available"
 
 
-def _hub_reachable() -> bool:
+def hub_reachable() -> bool:
+    """Whether the Hugging Face Hub answers (a TCP connection within 2 s); never when HF_HUB_OFFLINE is set."""
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
         return False
     try:
@@ -97,7 +98,7 @@ def probe(gpus: list[GpuInfo], kernels: dict[str, str] | None = None) -> Environ
         python=sys.version.split()[0], platform=platform.platform(), torch=torch.__version__,
         cuda_available=cuda, cuda_version=torch.version.cuda, driver_version=driver, gpus=gpus,
         versions=versions, attention=installed(cuda, versions), bitsandbytes_4bit=bnb,
-        hub_reachable=_hub_reachable(), kernels=check_kernels(kernels or {}), cpu_bf16=_cpu_bf16(),
+        hub_reachable=hub_reachable(), kernels=check_kernels(kernels or {}), cpu_bf16=_cpu_bf16(),
         visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
 
@@ -193,7 +194,8 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
                                         dtype_bytes=4 if compute == "float32" else 2)
     plan = plan.model_copy(update={"strategy": strategy, "strategy_choice": choice,
                                    **training_settings(cfg, plan.device, strategy)})
-    loss_chunk_setting(cfg, plan.liger, installed_version("liger-kernel"))  # a chunk size this Liger cannot honour: refused here
+    # a chunk size this Liger cannot honour: refused here
+    loss_chunk_setting(cfg, plan.liger, installed_version("liger-kernel"))
     if on_gpu and budget is not None and (short := budget_shortfall(cfg, plan)):
         raise EnvironmentMismatch([short], "config vs environment")
     if cfg.hardware.attn_implementation == "auto" and cfg.train.packing and plan.compile != "off":
@@ -339,7 +341,7 @@ def run_probe(workdir: Path, kernels: dict[str, str] | None = None, cache: Path 
     if not reused:
         return report
     run_logger().info("environment: reusing the probe %s (same interpreter, stack versions and GPUs)", entry.path)
-    return report.model_copy(update={"gpus": gpus, "hub_reachable": _hub_reachable()})
+    return report.model_copy(update={"gpus": gpus, "hub_reachable": hub_reachable()})
 
 
 def measured_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSelection,

@@ -130,11 +130,23 @@ def resolve_hub_revision(repo_id: str, revision: str | None, repo_type: str) -> 
     except Exception as exc:
         from huggingface_hub.constants import HF_HUB_CACHE
 
-        ref = Path(HF_HUB_CACHE) / f"{repo_type}s--{repo_id.replace('/', '--')}" / "refs" / (revision or "main")
-        if ref.is_file():
-            return ref.read_text().strip()
+        cached = cached_hub_commit(repo_id, revision, repo_type)
+        if cached:
+            return cached
         raise LookupError(f"cannot resolve {repo_type} {repo_id}@{revision or 'main'} to a commit: not reachable "
                           f"({type(exc).__name__}) and not in the local Hub cache {HF_HUB_CACHE}") from None
+
+
+def cached_hub_commit(repo_id: str, revision: str | None, repo_type: str) -> str | None:
+    """The commit of a Hub reference (a branch, tag or None = main, or a commit) in the local Hub cache: what the
+    reference pointed to when it was downloaded; None where the cache does not hold it."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    repo = Path(HF_HUB_CACHE) / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision if (repo / "snapshots" / revision).is_dir() else None
+    ref = repo / "refs" / (revision or "main")
+    return ref.read_text().strip() if ref.is_file() else None
 
 
 def pin_hub_revisions(cfg):
