@@ -52,4 +52,21 @@ def test_command_prints_the_table_and_refuses_what_is_not_a_run(tmp_path, capsys
     out = capsys.readouterr().out
     assert "**Regressions:** adapter: held-out loss, adapter: perplexity, adapter: exact_match" in out
     assert out.strip() == render_comparison(tonight.resolve(), previous_run(tonight).resolve()).strip()
-    assert main([str(tmp_path / "nope")]) == 2 and "not a completed fine-tune run" in capsys.readouterr().err
+    assert main([str(tmp_path / "nope")]) == 2 and "nope: no such directory" in capsys.readouterr().err
+    assert main([str(tonight.parent / "nightly-20261129-013000-abc123"), str(tmp_path)]) == 2
+    assert f"{tmp_path}: not a completed fine-tune run (no summary.json)" in capsys.readouterr().err
+
+
+def test_the_settings_in_which_the_two_runs_differ_are_named_beside_the_verdicts(tmp_path):
+    """A 20-step run marked WORSE against a 40-step one read as a regression of the data or code."""
+    previous = make_run(tmp_path, "nightly", "20261129-013000", summary(0.2, 0.8))
+    tonight = make_run(tmp_path, "nightly", "20261130-013000", summary(0.3, 0.7))
+    (previous / "config.resolved.yaml").write_text("run:\n  name: nightly\ntrain:\n  max_steps: 40\n  seed: 1\n"
+                                                   "lora:\n  target_modules: all-linear\n")
+    (tonight / "config.resolved.yaml").write_text("run:\n  name: nightly\ntrain:\n  max_steps: 20\n  seed: 1\n"
+                                                  "lora:\n  target_modules: [q_proj]\n")
+    text = render_comparison(tonight, previous)
+    assert ("**Settings that differ** (a change below may come from them): `lora.target_modules` 'all-linear' -> "
+            "['q_proj']; `train.max_steps` 40 -> 20\n") in text
+    (tonight / "config.resolved.yaml").write_text((previous / "config.resolved.yaml").read_text())
+    assert "Settings that differ" not in render_comparison(tonight, previous)

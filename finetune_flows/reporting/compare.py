@@ -101,6 +101,26 @@ def _fmt(value: float | None) -> str:
     return f"{value:.0f}" if value == int(value) and abs(value) >= 10 else f"{value:.4g}"
 
 
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{"train": {"seed": 1}} as {"train.seed": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        flat.update(_flat(value, name) if isinstance(value, dict) and value else {name: value})
+    return flat
+
+
+def settings_that_differ(previous_dir: Path, current_dir: Path) -> list[tuple[str, Any, Any]]:
+    """The resolved settings (config.resolved.yaml) in which the two runs differ: (key, previous, this run)."""
+    try:
+        before, after = (_flat(yaml.safe_load((d / "config.resolved.yaml").read_text()) or {})
+                         for d in (previous_dir, current_dir))
+    except (OSError, yaml.YAMLError):
+        return []
+    return [(k, before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys())
+            if before.get(k) != after.get(k)]
+
+
 def render_comparison(current_dir: Path, previous_dir: Path | None, current: dict | None = None) -> str:
     """Markdown: the two runs' headline numbers side by side, regressions marked WORSE. `current` is the
     run's summary when it is not on disk yet."""
@@ -112,8 +132,11 @@ def render_comparison(current_dir: Path, previous_dir: Path | None, current: dic
     previous = json.loads((previous_dir / "summary.json").read_text())
     rows = comparison_rows(current, previous)
     worse = [r["metric"] for r in rows if r["verdict"] == "WORSE"]
+    differ = settings_that_differ(previous_dir, current_dir)
     lines = [title + f"Previous run: `{previous_dir.name}`\n",
              ("**Regressions:** " + ", ".join(worse) if worse else "No regression.") + "\n",
+             *(["**Settings that differ** (a change below may come from them): " + "; ".join(
+                 f"`{key}` {before!r} -> {after!r}" for key, before, after in differ) + "\n"] if differ else []),
              "| metric | previous | this run | change | verdict |", "|---|---|---|---|---|"]
     for r in rows:
         change = "-" if r["change"] is None else f"{r['change']:+.4g}"
@@ -144,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give at most two run directories")
     for path in args.runs:
         if not (path / "summary.json").is_file():
-            print(f"error: {path} is not a completed fine-tune run (no summary.json)", file=sys.stderr)
+            why = "no such directory" if not path.exists() else "not a completed fine-tune run (no summary.json)"
+            print(f"error: {path}: {why}", file=sys.stderr)
             return 2
     if len(args.runs) == 2:
         previous, current = args.runs
