@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,18 @@ def test_override_errors_name_the_key():
         load_config(None, ["train.learning_rate"])
     with pytest.raises(ConfigError, match="train.nope: unknown key"):
         load_config(None, ["train.nope=1"])
+    for empty in ("=5", "train.=5", ".lr=1"):  # an empty key (or part of one) printed as "  - : unknown key"
+        with pytest.raises(ConfigError, match=f"override `{re.escape(empty)}`: expected KEY=VALUE"):
+            load_config(None, [empty])
+
+
+def test_an_unknown_key_one_typo_from_a_key_of_its_section_gets_a_suggestion():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.max_stepz=3", "trian.seed=1", "lora.rr=4", "hardware.gpu=cpu"])
+    text = str(info.value)
+    for line in ("train.max_stepz: unknown key (did you mean train.max_steps?)", "trian: unknown key (did you mean "
+                 "train?)", "hardware.gpu: unknown key (did you mean hardware.gpus?)", "lora.rr: unknown key\n"):
+        assert line in text + "\n", text
 
 
 def test_zero_steps_is_refused_not_read_as_a_whole_epoch():

@@ -8,6 +8,7 @@ docs/config-reference.md and the Prefect run form; they make this module longer 
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -471,10 +472,10 @@ class FinetuneConfig(Section):
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
     """Apply `a.b.c=value` (value parsed as YAML, so `1e-4`, `true`, `[q_proj]` get their types)."""
-    if "=" not in assignment:
-        raise ConfigError([f"override `{assignment}`: expected KEY=VALUE, e.g. train.learning_rate=1e-4"], "--set")
-    key, value = assignment.split("=", 1)
+    key, _, value = assignment.partition("=")
     parts = key.strip().split(".")
+    if "=" not in assignment or not all(parts):
+        raise ConfigError([f"override `{assignment}`: expected KEY=VALUE, e.g. train.learning_rate=1e-4"], "--set")
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
@@ -504,6 +505,19 @@ def _union_depth(loc: tuple) -> int:
     return 0
 
 
+def _did_you_mean(key: str) -> str:
+    """` (did you mean train.max_steps?)` for an unknown key one typo away from a key of its section."""
+    model: type[BaseModel] = FinetuneConfig
+    *sections, last = key.split(".")
+    for part in sections:
+        field = model.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return ""
+        model = field.annotation
+    close = difflib.get_close_matches(last, list(model.model_fields), n=1, cutoff=0.75)
+    return f" (did you mean {'.'.join([*sections, close[0]])}?)" if close else ""
+
+
 def _describe(errors: list[dict[str, Any]]) -> list[str]:
     """One line per key: a union's members (`true`, `false` or `auto`) each fail on their own, and their messages
     are joined into one ("Input should be a valid boolean or 'auto'")."""
@@ -527,7 +541,7 @@ def _describe(errors: list[dict[str, Any]]) -> list[str]:
     problems = []
     for key, line in keys.items():
         if line["unknown"]:
-            problems.append(f"{key}: unknown key")
+            problems.append(f"{key}: unknown key{_did_you_mean(key)}")
             continue
         said = [SHOULD + " or ".join(dict.fromkeys(line["should"]))] if line["should"] else []
         problems.append(f"{key}: {'; '.join(said + list(dict.fromkeys(line['other'])))} (got {line['got']!r})")
