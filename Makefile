@@ -26,13 +26,14 @@ export TOKENIZERS_PARALLELISM ?= false
 help:
 	@echo "make run       - set up, then fine-tune the built-in demo (configs/demo.yaml)"
 	@echo "make test      - set up, then run the CPU test suite"
-	@echo "make test-fast - the tests that train no model and start no pipeline (the edit loop, ~5 min)"
+	@echo "make test-fast - the tests that train no model and start no pipeline (the edit loop, ~4 min)"
 	@echo "make test-gpu  - GPU tests (needs NVIDIA GPUs)"
 	@echo "make gpu-proof - GPU tests + real flow runs on this GPU host, report in benchmarks/results/"
 	@echo "make bench-train - training speed, seed recipe vs this project, report in benchmarks/results/"
 	@echo "make bench-eval - evaluation speed, reference engine vs the new ones, report in benchmarks/results/"
 	@echo "make bench-scale - DDP vs FSDP2-QLoRA on 2 GPUs (qwen3-8b shape), report in benchmarks/results/"
-	@echo "make clean     - remove the virtualenv and run outputs"
+	@echo "make setup     - the virtualenv with everything the pipeline and its tests need (run and test do it)"
+	@echo "make clean     - remove the virtualenv and test caches (runs/ stays: its adapters are results)"
 	@echo "make server    - Prefect server + UI on http://127.0.0.1:$(PREFECT_PORT) (deployments/README.md)"
 	@echo "make deploy    - work pool, this host's device limits, and the deployments in deployments/prefect.yaml"
 	@echo "make worker    - a process worker for the pool on this (GPU) host"
@@ -93,7 +94,7 @@ bench-scale: $(GPU_SETUP)
 	HF_HUB_OFFLINE=1 $(GPU_PY) benchmarks/scale_out.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .pytest_cache
 
 # ---------------------------------------------------------------- Prefect server, deployments, worker
 # deployments/README.md walks through these. PREFECT_API_URL (env) points them at another server.
