@@ -131,6 +131,9 @@ def test_evaluate_refuses_a_directory_that_is_neither_adapter_nor_checkpoint(tmp
         check_evaluation_dir(neither)
     (neither / "model.safetensors").write_bytes(b"")
     assert check_evaluation_dir(neither).kind == "merged"
+    with pytest.raises(AdapterError, match=rf"no such directory: {tmp_path / 'merged'} \(give the `adapter/` or "
+                       "`merged/` directory"):  # `--merged runs/nope/merged` said "adapter directory not found"
+        check_evaluation_dir(tmp_path / "merged")
 
 
 # ---------------------------------------------------------------- the real stack

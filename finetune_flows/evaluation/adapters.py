@@ -97,6 +97,9 @@ def check_evaluation_dir(target: str | Path) -> Evaluated:
     """An adapter directory or a merged checkpoint, checked (nothing is loaded); AdapterError naming the directory
     when it is neither."""
     path = Path(target).expanduser()
+    if not path.exists():
+        raise AdapterError(f"no such directory: {path} (give the `adapter/` or `merged/` directory of a fine-tune "
+                           "run, e.g. runs/<run>/adapter or runs/<run>/merged)")
     if path.is_dir() and not (path / "adapter_config.json").exists():
         if (path / "config.json").is_file():
             return Evaluated(kind="merged", path=check_merged_dir(path))
