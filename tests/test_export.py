@@ -88,6 +88,8 @@ def test_merged_logits_equal_base_plus_adapter(base, adapter, data, tmp_path):
 
     record = MergedModel.model_validate(export(base, adapter, data, tmp_path / "fp32", dtype="float32"))
     assert record.logit_error < 1e-4 and record.top1_agreement == 1.0 and record.check_prompts == len(PROMPTS)
+    log = (tmp_path / "fp32.work" / "export.log").read_text()
+    assert "merged" in log and "offloaded modules" not in log  # a warning on every merge, of memory it never needs
     merged = AutoModelForCausalLM.from_pretrained(record.path, dtype=torch.float32).eval()
     prompts = [p + " billing/high" for p in PROMPTS]
     reference = reference_logits(base, adapter, prompts)

@@ -205,6 +205,9 @@ def _export(job: dict) -> dict:
     base.hf_device_map = {"": "cpu"}  # offloaded: the adapter must load next to the weights, not on the GPU
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload().to(export_dtype)
     merged.config.use_cache = True
+    # every weight is in this process's memory now; the map above would make save_pretrained warn of offloaded
+    # modules ("ensure that unallocated cpu memory exceeds the shard_size (50GB default)") on every merge
+    del merged.hf_device_map
     # The orchestrator holds the entry's lock and commits its manifest; a merge that fails its check keeps nothing.
     try:
         merged.save_pretrained(out)
