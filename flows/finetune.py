@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before prefect reads its settings
 
@@ -40,7 +41,7 @@ from tasks.select_gpus import select_gpus  # noqa: E402
 from tasks.train_adapter import train_adapter  # noqa: E402
 from tasks.verify_environment import verify_environment  # noqa: E402
 
-DEFAULT_CONFIG = "configs/demo.yaml"
+DEFAULT_CONFIG = "configs/demo.yaml"  # in the working directory, else in this checkout (run from elsewhere)
 
 
 @flow(name="finetune", flow_run_name=flow_run_name, log_prints=True, persist_result=False)
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-params", action="store_true",
                         help="print the config as `prefect deployment run --params` takes it, and exit")
     args = parser.parse_args(argv)
+    if args.config == DEFAULT_CONFIG and not Path(DEFAULT_CONFIG).is_file():
+        args.config = str(Path(__file__).resolve().parent.parent / DEFAULT_CONFIG)
     if args.help_config:
         print_to_pipe(config_reference())
         return 0

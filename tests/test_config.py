@@ -223,3 +223,19 @@ def test_print_params_writes_the_run_parameter_that_deployment_run_takes(tmp_pat
     bad = cli("--set", "train.learning_rat=5e-4", "--print-params")
     assert (bad.returncode, bad.stdout) == (2, "") and "train.learning_rat: unknown key" in bad.stderr, bad.stderr
     assert not list(tmp_path.iterdir()), "a Prefect server was started"
+
+
+def test_the_default_config_is_found_when_the_flow_runs_from_another_directory(tmp_path):
+    """`python /path/to/flows/finetune.py` from elsewhere said "config file not found: configs/demo.yaml"."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import child_env
+    from finetune_flows.config.parameters import config_parameter
+
+    done = subprocess.run([sys.executable, str(REPO / "flows/finetune.py"), "--print-params"], cwd=tmp_path,
+                          env=child_env(PREFECT_HOME=str(tmp_path / "home")), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"config": config_parameter(REPO / "configs/demo.yaml", [])}
