@@ -201,10 +201,8 @@ def check_lora_targets(model_dir: Path, targets: list[str] | str, trust_remote_c
         return
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    if hasattr(config, "quantization_config"):  # the 4-bit checkpoint's module names are the plain model's
-        del config.quantization_config
-    lora_target_problems(config, targets, trust_remote_code)
+    lora_target_problems(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code), targets,
+                         trust_remote_code)
 
 
 def check_lora_targets_of_source(cfg: FinetuneConfig) -> None:
@@ -223,6 +221,8 @@ def lora_target_problems(config, targets: list[str], trust_remote_code: bool = F
     import torch
     from transformers import AutoModelForCausalLM
 
+    if hasattr(config, "quantization_config"):  # a 4-bit checkpoint's module names are the plain model's
+        del config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     names = [n for n, _ in model.named_modules() if n]
