@@ -224,6 +224,15 @@ def test_user_error_raised_in_torchrun_ranks_reaches_the_task_as_one_message(tmp
     assert sorted(p.name for p in (tmp_path / "torchrun").glob("*/attempt_0/*")) == ["0", "1"]
 
 
+def test_a_rank_killed_before_it_removed_its_pid_record_leaves_none_behind(tmp_path, cpu_env):
+    """A rank that dies without unwinding (here os._exit; torchrun's SIGTERM to a rank still starting did it, seen
+    in a fresh clone's suite) cannot remove its record: the launcher removes it once the worker is gone."""
+    job = write_job(tmp_path, "train", do="exit", code=1)
+    with pytest.raises(WorkerFailed):
+        run_worker("train", python_module("tests.fault_worker", job), {**cpu_env, "RANK": "0"}, tmp_path)
+    assert not list((tmp_path / "ranks").glob("*.pid")), "a dead rank's PID record was left behind"
+
+
 def test_out_of_memory_is_reported_with_the_split_it_happened_at(tmp_path, cpu_env):
     job = write_job(tmp_path, "train", do="oom", micro_batch_split=4)
     with pytest.raises(WorkerOOM) as info:

@@ -35,7 +35,8 @@ from finetune_flows.runtime.lifecycle import (
     EVENT_PREFIX, GRACE_ENV, LAUNCHER_ENV, classify, failure_path, preexec_die_with, raise_if_stopped,
 )
 from finetune_flows.runtime.policy import worker_environment
-from finetune_flows.runtime.processes import ProcessId, describe, signal_tree, tree, wait_gone, write_record
+from finetune_flows.runtime.processes import (
+    ProcessId, describe, remove_stale_records, signal_tree, tree, wait_gone, write_record)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_STOP_GRACE = 25.0  # below the 30 s a Prefect worker waits after SIGTERM before it SIGKILLs a flow run
@@ -282,6 +283,9 @@ def run_worker(
         output.finish(timeout=5.0)
         output.close()
         record.unlink(missing_ok=True)
+        # the pid records of ranks killed before they could remove their own (a SIGKILL; torchrun's SIGTERM to a
+        # rank still starting, when its peer had failed first)
+        remove_stale_records(workdir / "ranks")
     _raise_failure(step, rc, workdir, output)
     return json.loads(result_path.read_text())
 
