@@ -625,6 +625,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return check_config(cfg, source)
 
 
+def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config as dumped (nested dicts) with one level of dotted keys: {"train": {"seed": 1}} -> {"train.seed": 1};
+    an empty section has no key."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
 def config_reference(model: type[BaseModel] = FinetuneConfig, prefix: str = "") -> str:
     """Every key with its type, default and description: the text of `--help-config` and the README table."""
     lines = []

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from finetune_flows.config.schema import dotted
 from finetune_flows.files import write_atomic
 
 STAMP = re.compile(r"-(\d{8}-\d{6})-[0-9a-f]+$")
@@ -101,19 +102,10 @@ def _fmt(value: float | None) -> str:
     return f"{value:.0f}" if value == int(value) and abs(value) >= 10 else f"{value:.4g}"
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """{"train": {"seed": 1}} as {"train.seed": 1}."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        flat.update(_flat(value, name) if isinstance(value, dict) and value else {name: value})
-    return flat
-
-
 def settings_that_differ(previous_dir: Path, current_dir: Path) -> list[tuple[str, Any, Any]]:
     """The resolved settings (config.resolved.yaml) in which the two runs differ: (key, previous, this run)."""
     try:
-        before, after = (_flat(yaml.safe_load((d / "config.resolved.yaml").read_text()) or {})
+        before, after = (dotted(yaml.safe_load((d / "config.resolved.yaml").read_text()) or {})
                          for d in (previous_dir, current_dir))
     except (OSError, yaml.YAMLError):
         return []

@@ -16,9 +16,8 @@ import importlib.util
 import shutil
 import urllib.request
 from pathlib import Path
-from typing import Any
 
-from finetune_flows.config.schema import FinetuneConfig
+from finetune_flows.config.schema import FinetuneConfig, dotted
 from finetune_flows.config.plan import Plan
 from finetune_flows.errors import ConfigError
 from finetune_flows.logs import run_logger
@@ -62,16 +61,6 @@ def copy_tensorboard_logs(train_output: Path, run_dir: Path) -> Path | None:
     return run_dir / "tensorboard"
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = str(value)[:6000]  # MLflow's limit on a param value
-    return flat
-
-
 def _experiment_id(client, name: str) -> str:
     found = client.get_experiment_by_name(name)
     if found is not None:
@@ -102,8 +91,8 @@ def log_to_mlflow(cfg: FinetuneConfig, plan: Plan, result) -> str:
     run = client.create_run(_experiment_id(client, cfg.tracking.mlflow_experiment), run_name=run_dir.name, tags=tags)
     run_id = run.info.run_id
     now = int(time.time() * 1000)
-    params = [Param(k, v) for k, v in _flatten(cfg.model_dump(mode="json")).items()]
-    params += [Param(f"plan.{k}", v) for k, v in _flatten(plan.model_dump(mode="json")).items()]
+    settings = {**dotted(cfg.model_dump(mode="json")), **dotted(plan.model_dump(mode="json"), "plan.")}
+    params = [Param(k, str(v)[:6000]) for k, v in settings.items()]  # MLflow's limit on a param value
     metrics = [Metric("train/loss", loss, now, step) for step, loss in train.loss_curve]
     metrics += [Metric(f"train/{k}", float(getattr(train, k)), now, train.steps)
                 for k in ("tokens_per_second", "peak_memory_mb", "train_seconds", "final_loss")]
