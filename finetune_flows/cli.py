@@ -131,7 +131,7 @@ def _server_that_dies_with_us():
     it only from an atexit hook, which a killed process never runs, and an orphaned server kept running for good.
     It runs in a session of its own, so a terminal's Ctrl-C (SIGINT to the whole foreground group) stops the run
     but not the server the run reports its stop to: with the server gone first, Prefect retried that report until
-    the stop deadline ended the process (35 s)."""
+    the stop deadline ended the process."""
     import prefect.server.api.server as server_module
 
     class ServerThatDiesWithUs(server_module.SubprocessASGIServer):
