@@ -56,8 +56,9 @@ def export(adapter: str, config: FinetuneConfig | None = None) -> ExportResult:
     data, _ = run_step(prepare_dataset, cfg, tokenizer)
     base, _ = run_step(quantize_base_model, cfg, plan, gpus, run_dir)
     warn_if_other_base(adapter_dir, base)
-    return export_merged_model(cfg, data, base, adapter_dir, plan, gpus, env, run_dir,
-                               adapter_eval_table(adapter_dir), required=True)
+    merged, _ = export_merged_model(cfg, data, base, adapter_dir, plan, gpus, env, run_dir,
+                                    adapter_eval_table(adapter_dir), required=True)
+    return merged
 
 
 def show(result: ExportResult) -> None:

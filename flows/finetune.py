@@ -64,12 +64,13 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     base, base_step = run_step(quantize_base_model, cfg, plan, gpus, run_dir)
     train, train_step = run_step(retrying_trainer(cfg), cfg, data, base, plan, gpus, run_dir)
     report, eval_step = run_step(evaluate_adapter, cfg, data, base, train.adapter_path, plan, gpus)
-    merged = export_merged_model(cfg, data, base, train.adapter_path, plan, gpus, env, run_dir, report.table())
+    merged, merge_step = export_merged_model(cfg, data, base, train.adapter_path, plan, gpus, env, run_dir,
+                                             report.table())
 
     publish_eval(report)
-    result = finish_run(run_dir, train, report, {"prepare-dataset": data_step, "quantize-base-model": base_step,
-                                                 "train-adapter": train_step, "evaluate-adapter": eval_step},
-                        merged)
+    steps = {"prepare-dataset": data_step, "quantize-base-model": base_step, "train-adapter": train_step,
+             "evaluate-adapter": eval_step} | ({"merge-adapter": merge_step} if merge_step else {})
+    result = finish_run(run_dir, train, report, steps, merged)
     if cfg.tracking.mlflow_uri:
         log_to_mlflow(cfg, plan, result)
     return result

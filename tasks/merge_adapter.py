@@ -15,7 +15,7 @@ from finetune_flows.export.merge import ExportResult, MergedModel
 from finetune_flows.export.model_card import place_merged
 from finetune_flows.logs import run_logger
 from finetune_flows.models.quantize import QuantizedModel
-from finetune_flows.orchestration.caching import CacheKey
+from finetune_flows.orchestration.caching import CacheKey, StepRun, run_step
 from finetune_flows.orchestration.steps import step
 from finetune_flows.runtime.environment import EnvironmentReport
 from finetune_flows.runtime.gpus import GpuSelection
@@ -37,14 +37,15 @@ def merge_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
 
 def export_merged_model(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter: Path, plan,
                         gpus, env: EnvironmentReport, run_dir: Path, eval_rows: list[dict],
-                        required: bool = False) -> ExportResult | None:
-    """Merge (or reuse the merged checkpoint), place it in the run directory with its card; None if skipped."""
+                        required: bool = False) -> tuple[ExportResult | None, StepRun | None]:
+    """Merge (or reuse the merged checkpoint), place it in the run directory with its card; None if skipped. With
+    how the merge step ran (None where export.merge is off)."""
     if not (cfg.export.merge or required):
-        return None
-    merged = merge_adapter(cfg, data, base, adapter, plan, gpus, required=required)
+        return None, None
+    merged, how = run_step(merge_adapter, cfg, data, base, adapter, plan, gpus, required=required)
     if merged is None:
-        return None
-    return place_merged(merged, run_dir, cfg, base, data, env, eval_rows, adapter)
+        return None, how
+    return place_merged(merged, run_dir, cfg, base, data, env, eval_rows, adapter), how
 
 
 def warn_if_the_merge_will_be_skipped(cfg: FinetuneConfig, plan: Plan) -> None:

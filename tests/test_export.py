@@ -130,3 +130,20 @@ def test_a_merge_outside_the_tolerance_is_refused_and_nothing_is_kept(base, adap
     with pytest.raises(UserInputError, match="more than export.max_logit_error"):  # not retried: it would fail again
         export(base, adapter, data, tmp_path / "strict", max_logit_error=1e-9)  # bf16 rounding alone exceeds it
     assert not (tmp_path / "strict").exists() and not list(tmp_path.glob(".strict*"))
+
+
+def test_text_data_is_checked_on_its_held_out_rows(base, adapter, tmp_path):
+    """Text data has no prompts (eval_prompts.jsonl is empty): the merge is checked on the held-out rows' tokens."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "text-data"
+    data.mkdir()
+    (data / "eval_prompts.jsonl").write_text("")
+    ids = [AutoTokenizer.from_pretrained(adapter)(p).input_ids for p in PROMPTS]
+    pq.write_table(pa.table({"input_ids": ids, "labels": ids}), data / "eval.parquet")
+    record = MergedModel.model_validate(export(base, adapter, data, tmp_path / "text", dtype="float32",
+                                               check_prompts=3))
+    assert record.logit_error < 1e-4 and record.top1_agreement == 1.0
+    assert (record.check_prompts, record.check_tokens) == (3, sum(map(len, ids[:3])))

@@ -48,7 +48,8 @@ def test_whole_flow_produces_an_evaluated_adapter(first_run):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["cached_steps"] == []
     steps = summary["step_seconds"]  # each step's wall time: the summary, the CLI's table, the step-cache artifact
-    assert list(steps) == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter"]
+    assert list(steps) == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter",
+                           "merge-adapter"]
     assert "- step seconds: prepare-dataset " in render_summary(result)
     train = result.train
     # each a step's own time: the training step's holds its worker's training (a worker forked from the fork server
@@ -69,8 +70,10 @@ def test_second_identical_run_is_served_from_cache(first_run, shared_cache):
     result, runs = first_run
     manifest = Path(result.train.adapter_path).parent / "manifest.json"  # the adapter's store entry
     committed = manifest.stat().st_mtime_ns
-    again = finetune(tiny_config(shared_cache / "pipeline", runs))
-    assert again.cached_steps == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter"]
+    again = finetune(tiny_config(shared_cache / "pipeline", runs, **{"export.merge": True}))
+    assert again.cached_steps == ["prepare-dataset", "quantize-base-model", "train-adapter", "evaluate-adapter",
+                                  "merge-adapter"]
+    assert again.merged.path != result.merged.path and again.merged.logit_error == result.merged.logit_error
     assert again.run_dir != result.run_dir and (result.run_dir / "summary.json").is_file()  # earlier run untouched
     # the plan shown is the one the adapter was trained with, not one made again on this machine today
     plan = artifacts_of_latest_flow_run()["training-plan"]
@@ -107,6 +110,19 @@ def test_deleted_cache_outputs_are_rebuilt_not_trusted(first_run, shared_cache):
     shutil.rmtree(Path(result.eval.path).parent)
     again = finetune(tiny_config(shared_cache / "pipeline", runs))
     assert "evaluate-adapter" not in again.cached_steps and Path(again.eval.path).is_file()
+
+
+def test_text_data_trains_evaluates_and_merges(prefect_server, shared_cache, tmp_path):
+    """Plain-text rows: every token is learned, there is nothing to answer, and the merge is checked on the held-out
+    rows themselves."""
+    data = tmp_path / "notes.jsonl"
+    data.write_text("".join(json.dumps({"text": f"note {i}: the printer on floor {i % 4} is out of toner"}) + "\n"
+                            for i in range(40)))
+    result = finetune(tiny_config(shared_cache / "pipeline", tmp_path / "runs",
+                                  **{"data.source": str(data), "export.merge": True}))
+    assert result.eval.adapter.generated == result.eval.base.generated == 0 and result.eval.eval_rows > 0
+    assert result.merged.check_prompts > 0 and result.merged.top1_agreement > 0.9
+    assert "merge-adapter" in result.step_seconds
 
 
 def test_bad_data_row_stops_before_any_model_is_loaded(prefect_server, shared_cache, tmp_path):

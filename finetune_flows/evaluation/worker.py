@@ -264,7 +264,8 @@ def _evaluate(job: dict) -> dict:
             total, count = answer_loss(model, rest, batch_tokens, tokenizer.pad_token_id, device)
             shared_loss, shared_count = gen.details.get("loss", (0.0, 0))
             loss = (total + shared_loss) / max(count + shared_count, 1)
-        generated = tokenizer.batch_decode(gen.tokens, skip_special_tokens=True)
+        # batch_decode([]) gives [''], one answer to no prompt
+        generated = tokenizer.batch_decode(gen.tokens, skip_special_tokens=True) if gen.tokens else []
         hits = [score_answer(g, r, cfg.eval.metric) for g, r in zip(generated, references)]
         answers[name] = generated
         new_tokens = sum(map(len, gen.tokens))

@@ -40,7 +40,7 @@ from finetune_flows.runtime.launcher import python_module, run_worker, write_job
 from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.models.quantize import QuantizedModel, torch_dtype
-from finetune_flows.store.entries import MANIFEST, Entry, reuse_or_produce
+from finetune_flows.store.entries import MANIFEST, Entry, reuse_or_produce, step_state
 from finetune_flows.models.dequantize import dequantize_model
 from finetune_flows.training.planner import GIB, allocator_bytes
 from finetune_flows.training.sharding import readable_model_shape
@@ -132,20 +132,25 @@ def _parameter_count(base_path: Path, trust_remote_code: bool) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _check_prompts(data_path: Path, count: int) -> list[str]:
-    """Held-out prompts with their reference answers appended: the merge is checked on what it was trained for."""
+def _check_inputs(data_path: Path, count: int, tokenizer) -> list[list[int]]:
+    """Token ids the merge is checked on: held-out prompts with their reference answers appended (what the adapter
+    was trained for), or, for text data (no prompts), the held-out rows as the dataset step tokenized them."""
     rows = [json.loads(line) for line in (data_path / "eval_prompts.jsonl").read_text().splitlines()]
-    return [r["prompt"] + r["reference"] for r in rows[:count]]
+    if rows:
+        return [tokenizer(r["prompt"] + r["reference"], add_special_tokens=False).input_ids for r in rows[:count]]
+    import pyarrow.parquet as pq
+
+    return [list(ids) for ids in pq.read_table(data_path / "eval.parquet", columns=["input_ids"])
+            .column("input_ids").to_pylist()[:count]]
 
 
-def _logits(model, tokenizer, prompts: list[str], device):
+def _logits(model, inputs: list[list[int]], device):
     import torch
 
     out = []
     with torch.no_grad():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
-            out.append(model(input_ids=ids).logits[0].float().cpu())
+        for ids in inputs:
+            out.append(model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu())
     return out
 
 
@@ -188,7 +193,7 @@ def _export(job: dict) -> dict:
         return {"skipped": reason}
 
     tokenizer = AutoTokenizer.from_pretrained(adapter, trust_remote_code=remote)
-    prompts = _check_prompts(Path(job["data"]), cfg.export.check_prompts)
+    inputs = _check_inputs(Path(job["data"]), cfg.export.check_prompts, tokenizer)
     load = dict(device_map={"": str(device)}, dtype=compute, trust_remote_code=remote)
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, **load), adapter).eval()
@@ -197,7 +202,7 @@ def _export(job: dict) -> dict:
             # bitsandbytes' CPU inference shortcut (AVX512-BF16) repacks the 4-bit weight and rounds to bf16;
             # training (and the GPU) multiply by the dequantized weight, the one the adapter learned against.
             module.support_avx512bf16_for_cpu = False
-    reference = _logits(model, tokenizer, prompts, device)
+    reference = _logits(model, inputs, device)
     del model
 
     base = AutoModelForCausalLM.from_pretrained(base_path, **load)
@@ -214,7 +219,7 @@ def _export(job: dict) -> dict:
         tokenizer.save_pretrained(out)
         del merged, base
         reloaded = AutoModelForCausalLM.from_pretrained(out, **load).eval()  # what a user gets
-        error, agreement, tokens = compare_logits(reference, _logits(reloaded, tokenizer, prompts, device))
+        error, agreement, tokens = compare_logits(reference, _logits(reloaded, inputs, device))
         print(f"merged {layers} dequantized layers + adapter -> {cfg.export.dtype}: logits within {error:.3g} "
               f"(relative to their spread) of base + adapter, top-1 agreement {agreement:.4f} on {tokens} tokens",
               flush=True)
@@ -224,7 +229,7 @@ def _export(job: dict) -> dict:
                                "exported (export.merge=false skips the step)"], "export")
         record = dict(path=str(out), fingerprint=job["fingerprint"], dtype=cfg.export.dtype, parameters=parameters,
                       size_mb=round(sum(p.stat().st_size for p in out.glob("*.safetensors")) / 2**20, 1),
-                      logit_error=error, top1_agreement=agreement, check_prompts=len(prompts),
+                      logit_error=error, top1_agreement=agreement, check_prompts=len(inputs),
                       check_tokens=tokens, device=str(device), seconds=round(time.perf_counter() - started, 1))
         write_json(out / RECORD, record)
     except BaseException:
@@ -238,8 +243,8 @@ def _export(job: dict) -> dict:
 
 def merge_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, adapter: Path, plan: Plan,
                   gpus: GpuSelection, required: bool = False) -> MergedModel | None:
-    """The merged checkpoint (a store entry per base, adapter and export settings), or None when it does not fit
-    (`required`: raise instead)."""
+    """The merged checkpoint (a store entry per base, adapter and export settings; a reused one as a `Cached`
+    state), or None when it does not fit (`required`: raise instead)."""
     entry = Entry(cfg.cache_root, "merged", merge_fingerprint(cfg, data, base, adapter, plan))
     out = entry.path
 
@@ -259,13 +264,13 @@ def merge_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
         return MergedModel.model_validate_json((out / RECORD).read_text())
 
     try:
-        merged, _ = reuse_or_produce(entry, MergedModel, produce, outputs=["."])
+        merged, reused = reuse_or_produce(entry, MergedModel, produce, outputs=["."])
     except _Skipped as skipped:
         run_logger().info("merged checkpoint skipped: %s (flows/export.py can merge on a bigger machine)", skipped)
         return None
     run_logger().info("merged checkpoint: %s (%s, %.0f MiB), logits within %.3g of base + adapter", merged.path,
                       merged.dtype, merged.size_mb, merged.logit_error)
-    return merged
+    return step_state(merged, reused, entry)
 
 
 def link_tree(source: Path, target: Path) -> None:
