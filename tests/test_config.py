@@ -71,6 +71,10 @@ def test_override_errors_name_the_key():
     for empty in ("=5", "train.=5", ".lr=1"):  # an empty key (or part of one) printed as "  - : unknown key"
         with pytest.raises(ConfigError, match=f"override `{re.escape(empty)}`: expected KEY=VALUE"):
             load_config(None, [empty])
+    with pytest.raises(ConfigError, match=r"override `train.learning_rate=\[1`: the value is not valid YAML"):
+        load_config(None, ["train.learning_rate=[1"])  # was a yaml ScannerError traceback
+    with pytest.raises(ConfigError, match="run.name: String should have at most 100 characters"):
+        load_config(None, ["run.name=" + "r" * 101])  # a path component too long for the file system, found late
 
 
 def test_an_unknown_key_one_typo_from_a_key_of_its_section_gets_a_suggestion():
@@ -150,6 +154,9 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(bad)
+    bad.write_text("train:\n  learning_rate: 5e-3\nmodel:\n  source: generated:tiny-llama\ntrain:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"line 5, column 1: `train` is given twice \(first at line 1\)"):
+        load_config(bad)  # PyYAML keeps the last: the first section's learning rate would be dropped unsaid
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)

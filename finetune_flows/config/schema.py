@@ -426,7 +426,8 @@ class ExportConfig(Section):
 
 
 class RunConfig(Section):
-    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Run name (used in paths).")
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100,
+                      description="Run name (used in paths).")
     output_dir: str = Field("runs", description="Each run gets its own directory `<output_dir>/<name>-<time>-<id>`.")
     cache_dir: str = Field(
         "~/.cache/finetune-flows",
@@ -482,7 +483,26 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError([f"override `{assignment}`: `{part}` is not a section"], "--set")
         node = child
-    node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"override `{assignment}`: the value is not valid YAML ({getattr(exc, 'problem', exc)}); "
+                           "quote a string that holds YAML's special characters: --set 'KEY=\"VALUE\"'"], "--set") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML whose mappings refuse a key given twice: PyYAML keeps the last, so a second `train:` section would
+    silently drop every setting of the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"`{key}` is given twice (first at line {seen[key].line + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
 
 
 SHOULD = "Input should be "  # how pydantic starts a type or constraint error
@@ -606,7 +626,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError([f"config file not found: {p}"], source)
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
