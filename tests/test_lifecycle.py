@@ -178,6 +178,9 @@ def test_training_workers_get_expandable_segments_unless_the_user_set_the_alloca
     assert "PYTORCH_CUDA_ALLOC_CONF" not in worker_env(h200.env)  # other workers (evaluation's CUDA graphs) as before
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert worker_env(training_env(h200.env))["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    cpu = GpuSelection(ids=[], gpus=[])  # the same environment as the other steps' workers: one fork server for all
+    assert training_env(cpu.env) == cpu.env
 
 
 def test_ray_training_workers_get_the_compile_caches_and_stable_hashes_the_training_step_sets(tmp_path, monkeypatch):

@@ -73,9 +73,12 @@ TRAINING_ALLOCATOR = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 def training_env(gpu_env: dict[str, str]) -> dict[str, str]:
-    """The selected GPUs' variables for a training worker, with the allocator setting above unless our own
-    environment has a PYTORCH_CUDA_ALLOC_CONF (which worker_env passes on)."""
-    allocator = {} if "PYTORCH_CUDA_ALLOC_CONF" in os.environ else TRAINING_ALLOCATOR
+    """The selected GPUs' variables for a training worker, with the allocator setting above where it trains on GPUs
+    and our own environment has no PYTORCH_CUDA_ALLOC_CONF (which worker_env passes on). Not on the CPU: there it
+    changes nothing but the environment, and a worker whose environment differs cannot fork from the fork server the
+    other steps' workers share (runtime/forkserver.py), so it would start, and import torch, a second one."""
+    on_gpu = bool(gpu_env.get("CUDA_VISIBLE_DEVICES"))
+    allocator = TRAINING_ALLOCATOR if on_gpu and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ else {}
     return {**allocator, **gpu_env}
 
 
