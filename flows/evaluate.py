@@ -19,7 +19,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 from prefect import flow  # noqa: E402
 
 from finetune_flows.cli import run_cli  # noqa: E402
-from finetune_flows.config.preflight import cli_preflight, preflight  # noqa: E402
+from finetune_flows.config.preflight import check_adapter_fits, cli_preflight, preflight  # noqa: E402
 from finetune_flows.config.schema import FinetuneConfig, load_config  # noqa: E402
 from finetune_flows.evaluation.adapters import (  # noqa: E402
     EvaluationResult, check_evaluation_dir, create_eval_run_dir, eval_run_name, finish_evaluation, named_adapter,
@@ -52,6 +52,8 @@ def evaluate(adapter: str, config: FinetuneConfig | None = None) -> EvaluationRe
     inventory = read_inventory()  # the run's one reading of the GPUs
     cfg = pin_hub_revisions(preflight(config or load_config(allowed_config_file(training_config(target.path))),
                                       inventory))
+    if target.kind == "adapter":
+        check_adapter_fits(target.path, cfg)  # another model's config fails here, not after quantizing it
     run_dir = create_eval_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir, inventory)
@@ -84,8 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. eval.max_samples=200 (repeatable)")
     args = parser.parse_args(argv)
-    return run_cli(lambda: cli_preflight(load_config(
-        args.config or training_config(check_evaluation_dir(args.adapter).path), args.overrides)),
+    def checked() -> FinetuneConfig:
+        target = check_evaluation_dir(args.adapter)
+        cfg = cli_preflight(load_config(args.config or training_config(target.path), args.overrides))
+        if target.kind == "adapter":
+            check_adapter_fits(target.path, cfg)
+        return cfg
+
+    return run_cli(checked,
         lambda cfg: evaluate(args.adapter, cfg), lambda result: print(render_evaluation(result)))
 
 

@@ -18,7 +18,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before pre
 from prefect import flow  # noqa: E402
 
 from finetune_flows.cli import run_cli  # noqa: E402
-from finetune_flows.config.preflight import cli_preflight  # noqa: E402
+from finetune_flows.config.preflight import check_adapter_fits, cli_preflight  # noqa: E402
 from finetune_flows.config.schema import FinetuneConfig, check_config, load_config  # noqa: E402
 from finetune_flows.evaluation.adapters import check_adapter_dir, training_config, warn_if_other_base  # noqa: E402
 from finetune_flows.export.merge import ExportResult  # noqa: E402
@@ -47,6 +47,7 @@ def export(adapter: str, config: FinetuneConfig | None = None) -> ExportResult:
     cfg = allowed_config(check_config(config)) if config else checked_config(training_config(adapter_dir), None)
     cfg = pin_hub_revisions(cfg)
     check_model_source(cfg.model.source, cfg.model.trust_remote_code)
+    check_adapter_fits(adapter_dir, cfg)  # another model's config fails here, not after quantizing it
     run_dir = create_export_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir)
@@ -74,9 +75,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a config key, e.g. export.dtype=float16 (repeatable)")
     args = parser.parse_args(argv)
     # checked before a Prefect server starts; the run's temporary server and workers stop with it (run_cli)
-    return run_cli(lambda: cli_preflight(load_config(args.config or training_config(check_adapter_dir(args.adapter)),
-                                                     args.overrides)),
-                   lambda cfg: export(args.adapter, cfg), show)
+    def checked() -> FinetuneConfig:
+        adapter_dir = check_adapter_dir(args.adapter)
+        cfg = cli_preflight(load_config(args.config or training_config(adapter_dir), args.overrides))
+        check_adapter_fits(adapter_dir, cfg)
+        return cfg
+
+    return run_cli(checked, lambda cfg: export(args.adapter, cfg), show)
 
 
 if __name__ == "__main__":

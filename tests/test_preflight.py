@@ -290,3 +290,47 @@ def test_a_hub_reference_the_local_cache_holds_needs_no_hub(tmp_path, monkeypatc
     assert hub_problems(load_config(None, ["model.source=org/model", f"model.revision={'b' * 40}"])) == []
     [problem] = hub_problems(load_config(None, ["model.source=org/model", "model.revision=v2"]))
     assert "org/model@v2 is not in the local Hub cache" in problem
+
+
+@pytest.mark.parametrize("flow", ["evaluate", "export"])
+def test_an_adapter_for_another_model_is_one_message_before_any_server(tmp_path, flow):
+    """An adapter trained on tiny-llama, with a config naming the Qwen3-0.6B shape: refused from the adapter's
+    weight shapes against the model's layers (built on the meta device), not after quantizing the model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune_flows.models.sources import _materialize_generated
+
+    base, adapter = tmp_path / "tiny", tmp_path / "adapter"
+    base.mkdir()
+    _materialize_generated("tiny-llama", base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    get_peft_model(model, LoraConfig(r=4, target_modules="all-linear")).save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(base).save_pretrained(adapter)  # an adapter directory as a run saves it
+    config = tmp_path / "other.yaml"
+    config.write_text(yaml.safe_dump({"model": {"source": "generated:qwen3-0.6b"},
+                                      "run": {"output_dir": str(tmp_path / "runs"), "cache_dir": str(tmp_path / "c")}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env = child_env(env, PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    done = subprocess.run([sys.executable, f"flows/{flow}.py", "--adapter", str(adapter), "--config", str(config)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert_one_message_before_any_server(
+        done, tmp_path, f"the adapter {adapter} does not fit model.source=generated:qwen3-0.6b:",
+        "down_proj.lora_A.weight: 128 inputs, the model's layer has 3072", "was it trained on another model?")
+    assert not (tmp_path / "c").exists()  # nothing quantized
+
+
+def test_an_adapter_checked_against_its_own_model_passes(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune_flows.config.preflight import check_adapter_fits
+    from finetune_flows.models.sources import _materialize_generated
+
+    base, adapter = tmp_path / "tiny", tmp_path / "adapter"
+    base.mkdir()
+    _materialize_generated("tiny-llama", base)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, target_modules="all-linear")) \
+        .save_pretrained(adapter)
+    check_adapter_fits(adapter, load_config(None, ["model.source=generated:tiny-llama"]))
+    check_adapter_fits(adapter, load_config(None, [f"model.source={base}"]))

@@ -219,15 +219,61 @@ def lora_target_problems(config, targets: list[str], trust_remote_code: bool = F
     """Each target must name modules of the model `config` describes, as PEFT matches them (the full name or its
     last parts). The model is built on the meta device: no weights, no memory."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    if hasattr(config, "quantization_config"):  # a 4-bit checkpoint's module names are the plain model's
-        del config.quantization_config
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    model = _meta_model(config, trust_remote_code)
     names = [n for n, _ in model.named_modules() if n]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ConfigError([f"lora.target_modules: the model has no module named {', '.join(missing)}; its linear "
                            f"layers are {', '.join(linear)} (or use all-linear)"], "config vs model")
+
+
+def _meta_model(config, trust_remote_code: bool = False):
+    """The model `config` describes, built on the meta device: its modules and shapes, no weights, no memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if hasattr(config, "quantization_config"):  # a 4-bit checkpoint's module names are the plain model's
+        del config.quantization_config
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def check_adapter_fits(adapter_dir: Path, cfg: FinetuneConfig) -> None:
+    """An adapter's LoRA weights must fit the layers of the model the config names: evaluated or merged with a
+    config for another model, it would fail only once that model is quantized and loaded (a size mismatch per
+    weight, and a retry). Skipped where only a download would give the model's config."""
+    from safetensors import safe_open
+
+    weights = adapter_dir / "adapter_model.safetensors"
+    checked = (str(weights.resolve()), cfg.model.source, cfg.model.revision)
+    if checked in _adapters_checked_here or not weights.is_file():
+        return
+    config = model_config(cfg.model.source, cfg.model.revision, cfg.model.trust_remote_code)
+    if config is None:
+        return
+    modules = dict(_meta_model(config, cfg.model.trust_remote_code).named_modules())
+    misfits = []
+    with safe_open(weights, "pt") as tensors:
+        for key in tensors.keys():
+            name, _, kind = key.partition(".lora_")
+            module = modules.get(name.removeprefix("base_model.model."))
+            if kind not in ("A.weight", "B.weight"):
+                continue
+            shape = tensors.get_slice(key).get_shape()
+            if module is None:
+                misfits.append(f"{key}: the model has no module {name.removeprefix('base_model.model.')}")
+            elif kind == "A.weight" and shape[1] != getattr(module, "in_features", shape[1]):
+                misfits.append(f"{key}: {shape[1]} inputs, the model's layer has {module.in_features}")
+            elif kind == "B.weight" and shape[0] != getattr(module, "out_features", shape[0]):
+                misfits.append(f"{key}: {shape[0]} outputs, the model's layer has {module.out_features}")
+    if misfits:
+        raise ConfigError([f"the adapter {adapter_dir} does not fit model.source={cfg.model.source}: "
+                           f"{len(misfits)} LoRA weight(s) do not match its layers, e.g. {misfits[0]}; was it "
+                           "trained on another model? (without --config the run's own config.resolved.yaml is used)"],
+                          "adapter vs model")
+    _adapters_checked_here.add(checked)  # the CLI checked it: the flow it then runs does not build the model again
+
+
+_adapters_checked_here: set[tuple] = set()
