@@ -117,6 +117,18 @@ def test_csv_row_with_extra_fields(tmp_path):
         read_rows(str(path), cfg_for(path, tmp_path).data)
 
 
+def test_a_csv_record_is_named_by_every_line_it_spans(tmp_path):
+    """A stray quote swallows the rows after it into one field: the error names where the record starts, not only
+    the line where the file (or the next quote) ends it."""
+    path = tmp_path / "stray.csv"
+    path.write_text('prompt,response\na,b\n"say hi,there\nc,d\ne,f\n')
+    data = cfg_for(path, tmp_path).data
+    with pytest.raises(DataError, match="stray.csv: 1 malformed row\\(s\\): lines 3-5: `response` is missing"):
+        normalize(read_rows(str(path), data), data, str(path))
+    path.write_text('prompt,response\n"two\nlines",b\nc,d\n')  # a quoted line break: one record, two lines
+    assert [r["__row__"] for r in read_rows(str(path), data)] == ["lines 2-3", "line 4"]
+
+
 def test_instruction_masks_the_prompt(tokenizer):
     enc, truncated = tokenize_example(tokenizer, [{"role": "system", "content": "Be brief."},
                                                   {"role": "user", "content": "Say red"},
@@ -199,4 +211,4 @@ def test_a_utf8_byte_order_mark_is_not_part_of_the_first_column_and_a_missing_fi
     with pytest.raises(DataError) as info:
         normalize(read_rows(str(path), cfg.data), cfg.data, str(path))
     assert "line 2: `prompt` is missing (no such field in the row)" in str(info.value)
-    assert "line 3: `prompt` is missing (null, or fewer fields than the CSV header)" in str(info.value)
+    assert "line 3: `prompt` is missing (null, or in a CSV file a row with fewer fields than the header)" in str(info.value)

@@ -108,8 +108,12 @@ def _read_csv(path: Path) -> list[dict[str, Any]]:
     rows = []
     with open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f)
+        end = 1  # the header's line
         for row in reader:
-            where = f"line {reader.line_num}"
+            # a record may span lines (a quoted field with line breaks, or a stray quote that swallowed rows):
+            # name all of them, not only the line it ends on
+            start, end = end + 1, reader.line_num
+            where = f"line {end}" if start == end else f"lines {start}-{end}"
             if None in row:
                 raise DataError(f"{path} {where}: more fields than the header has columns")
             row["__row__"] = where
@@ -157,7 +161,8 @@ def to_messages(row: dict[str, Any], fmt: str, cfg: DataConfig) -> list[dict[str
         for key, role in ((c.prompt, "user"), (c.response, "assistant")):
             value = row.get(key)
             if value is None:
-                why = "null, or fewer fields than the CSV header" if key in row else "no such field in the row"
+                why = "null, or in a CSV file a row with fewer fields than the header" if key in row else \
+                    "no such field in the row"
                 raise ValueError(f"`{key}` is missing ({why})")
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"`{key}` must be non-empty text (got {value!r})")
