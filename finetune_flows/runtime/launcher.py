@@ -238,8 +238,11 @@ def stop_worker(proc: subprocess.Popen | forkserver.ForkedWorker, members: set[P
     finally:  # also after a second Ctrl-C during the grace period
         survivors = [m for m in members if m.is_running()]
         if survivors:
-            logger.warning("the %s worker did not stop within %.0f s: SIGKILL to pids %s", output.step, grace,
-                           sorted(m.pid for m in survivors))
+            waited = time.monotonic() - started
+            why = (f"did not stop within {grace:.0f} s" if waited >= grace else
+                   f"was stopped again {waited:.1f} s into its {grace:.0f} s to stop (a second Ctrl-C or signal); "
+                   "what it had not saved is lost")
+            logger.warning("the %s worker %s: SIGKILL to pids %s", output.step, why, sorted(m.pid for m in survivors))
             signal_tree(survivors, proc.pid, signal.SIGKILL)
             wait_gone(survivors, 30)
         try:
