@@ -186,7 +186,8 @@ def run_cli(check: Callable[[], C], run: Callable[[C], T] | None, show: Callable
         return 1
     except Stopped as exc:
         print(f"stopped by {exc}: the run's worker processes are stopped; run the same command again to resume "
-              "(training continues from its last checkpoint)", file=sys.stderr, flush=True)
+              "(finished steps are reused, a stopped training continues from its last checkpoint)",
+              file=sys.stderr, flush=True)
         _exit_after(DRAIN_SECONDS, exc.signum, "Prefect's background services did not finish")
         return 128 + exc.signum
     show(result)

@@ -1,6 +1,8 @@
 """Reading, validating, formatting and loss masking, with the generated tokenizer (ChatML) and a template-less one."""
 
 import json
+import re
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -105,6 +107,9 @@ def test_unknown_layout_and_empty_and_missing_files(tmp_path):
         normalize(read_rows(str(path), cfg.data), cfg.data, str(path))
     with pytest.raises(DataError, match="data file not found"):
         read_rows(str(tmp_path / "missing.jsonl"), cfg.data)
+    with pytest.raises(DataError, match=r"data file not found: data/missing.jsonl \(relative to the current "
+                                        f"directory, {re.escape(str(Path.cwd()))}\)"):
+        read_rows("data/missing.jsonl", cfg.data)
     (tmp_path / "data.txt").write_text("hi")
     with pytest.raises(DataError, match="unsupported file type .txt"):
         read_rows(str(tmp_path / "data.txt"), cfg.data)

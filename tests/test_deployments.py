@@ -100,6 +100,9 @@ def test_evaluate_refuses_a_directory_that_is_not_an_adapter(tmp_path, capsys):
 
     with pytest.raises(AdapterError, match="adapter directory not found"):
         check_adapter_dir(tmp_path / "nope")
+    (tmp_path / "adapter.safetensors").write_text("")
+    with pytest.raises(AdapterError, match="adapter.safetensors is a file, not an adapter directory"):
+        check_adapter_dir(tmp_path / "adapter.safetensors")
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(AdapterError, match="no adapter_config.json, no adapter_model.safetensors"):
         check_adapter_dir(tmp_path)

@@ -35,7 +35,8 @@ def read_rows(source: str, cfg: DataConfig) -> list[dict[str, Any]]:
             raise DataError(f"data.source={source}: could not load from the Hub: {exc}") from None
     path = Path(source).expanduser()
     if not path.exists():
-        raise DataError(f"data file not found: {path}")
+        relative = "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
+        raise DataError(f"data file not found: {path}{relative}")
     if not path.is_file():
         raise DataError(f"data source {path} is not a file")
     suffix = path.suffix.lower()

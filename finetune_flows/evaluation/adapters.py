@@ -55,6 +55,8 @@ def check_adapter_dir(adapter: str | Path) -> Path:
     """The adapter directory, resolved; raise AdapterError naming what is missing (nothing is loaded)."""
     path = Path(adapter).expanduser()
     hint = "give the `adapter/` directory of a fine-tune run, e.g. runs/<run>/adapter"
+    if path.is_file():
+        raise AdapterError(f"{path} is a file, not an adapter directory ({hint})")
     if not path.is_dir():
         raise AdapterError(f"adapter directory not found: {path} ({hint})")
     missing = []
