@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # before prefect reads its settings
+QUIET_WHILE_LOADING = __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+if QUIET_WHILE_LOADING:  # Ctrl-C while the libraries below load: exit at once, no traceback (nothing is written yet)
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
 
 from prefect import flow  # noqa: E402
 from prefect.tasks import exponential_backoff  # noqa: E402
@@ -103,4 +107,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if QUIET_WHILE_LOADING:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # run_cli's own handling from here
     sys.exit(main())

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from flows.finetune import finetune
 from finetune_flows.runtime.gpus import read_inventory
 from finetune_flows.runtime.processes import tree
 from finetune_flows.training.checkpoints import checkpoint_is_complete
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
 
@@ -137,6 +141,22 @@ def test_a_stop_of_a_run_on_its_temporary_server_ends_it_at_once_with_no_error_f
     assert took < 20, f"stopping took {took:.0f} s"
     assert text.count(f"stopped by {sig.name}") == 1, text[-3000:]
     assert not [m for m in members if m.is_running()], "a process of the run outlived it"
+
+
+@pytest.mark.parametrize("flow", ["finetune", "evaluate", "export"])
+def test_a_ctrl_c_while_the_command_loads_its_libraries_ends_it_without_a_traceback(tmp_path, flow):
+    """The first seconds of every command import Prefect, torch and transformers; a Ctrl-C then printed a whole
+    KeyboardInterrupt traceback (or, raised inside pydantic, a PydanticSerializationError)."""
+    env = {k: v for k, v in child_env().items() if not k.startswith("PREFECT_")}
+    env["PREFECT_HOME"] = str(tmp_path / "home")
+    args = ["--adapter", str(tmp_path)] if flow != "finetune" else []
+    proc = subprocess.Popen([sys.executable, f"flows/{flow}.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, process_group=0,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal starts it
+    time.sleep(1)  # Python is up; the libraries are loading (several seconds here)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in out + err, err[-3000:]
 
 
 @pytest.mark.gpu
