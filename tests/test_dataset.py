@@ -189,6 +189,16 @@ def test_build_dataset_splits_and_saves(tmp_path, tokenizer_dir):
     assert prompts[0]["reference"].startswith("a")
 
 
+def test_a_handful_of_rows_trains_with_a_warning(tmp_path, tokenizer_dir, caplog):
+    from finetune_flows.data.dataset import prepare_dataset
+
+    path = tmp_path / "few.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"say {w}", "response": w}) + "\n" for w in ("red", "blue", "gold")))
+    result = prepare_dataset(cfg_for(path, tmp_path), tokenizer_dir)
+    assert (result.train_rows, result.eval_rows) == (2, 1)
+    assert "only 2 training rows (and 1 held out)" in caplog.text
+
+
 def test_builtin_demo_task_is_deterministic():
     from finetune_flows.data.demo import ticket_triage
 

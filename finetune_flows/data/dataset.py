@@ -28,6 +28,7 @@ IGNORE_INDEX = -100
 FALLBACK_PROMPT = "### Instruction:\n{prompt}\n\n### Response:\n"
 
 
+FEW_ROWS = 10  # fewer training rows than this: said, not refused (a smoke test may want exactly that)
 OUTPUTS = ("train.parquet", "eval.parquet", "eval_prompts.jsonl", "stats.json")
 
 
@@ -277,6 +278,10 @@ def prepare_dataset(cfg: FinetuneConfig, tokenizer_dir: Path):
     run_logger().info("dataset: %s format, %d train / %d eval rows (%s), %d train tokens, %d truncated, "
                       "%d dropped -> %s", result.format, result.train_rows, result.eval_rows, result.removed_note(),
                       result.train_tokens, result.truncated, result.dropped, result.path)
+    if result.train_rows < FEW_ROWS:
+        run_logger().warning("only %d training rows (and %d held out): an adapter fit to so few learns them by heart "
+                             "and its evaluation says little; fine for a smoke test", result.train_rows,
+                             result.eval_rows)
     return step_state(result, reused, entry)
 
 
