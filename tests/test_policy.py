@@ -80,6 +80,15 @@ def test_output_and_cache_paths_must_resolve_inside_their_roots(host, key):
         assert f"{key}={escape} resolves to {host / 'outside'}" in message
 
 
+def test_kernels_for_layers_are_remote_code(host, tmp_path):
+    """hardware.kernels imports a kernel repository's Python in every worker, from the Hub or a local directory."""
+    message = refused(host, **{"hardware.kernels": "{RMSNorm: 'kernels-community/liger_kernels:LigerRMSNorm', "
+                                                   f"SiLU: '{tmp_path}/evil:Silu'}}"})
+    assert ("hardware.kernels.RMSNorm=kernels-community/liger_kernels:LigerRMSNorm loads kernel code from the Hub; "
+            "the policy does not allow remote code") in message
+    assert f"hardware.kernels.SiLU={tmp_path}/evil:Silu loads kernel code from a local directory" in message
+
+
 def test_cache_root_from_the_environment_is_checked_too(host, monkeypatch):
     monkeypatch.setenv("FINETUNE_FLOWS_CACHE", str(host / "outside"))
     assert f"FINETUNE_FLOWS_CACHE={host / 'outside'} resolves" in refused(host)
@@ -174,6 +183,10 @@ def test_make_worker_writes_the_safe_defaults_once(tmp_path, monkeypatch):
     assert not written.remote_code and written.data_roots == [tmp_path / "data"]
     path.write_text(path.read_text().replace("remote_code: false", "remote_code: true"))
     assert policy_mod.main([str(path)]) == 0 and read_policy(path).remote_code  # the host's edits are kept
+    # a host whose cache is elsewhere (shared storage, deployments/README.md): its runs may use it
+    monkeypatch.setenv("FINETUNE_FLOWS_CACHE", str(tmp_path / "shared" / "cache"))
+    assert policy_mod.main([str(tmp_path / "other.yaml")]) == 0
+    assert read_policy(tmp_path / "other.yaml").cache_roots == [tmp_path / "shared" / "cache"]
 
 
 def test_secret_names():

@@ -4,7 +4,8 @@ A deployment run executes with the worker host's files and credentials, on param
 the Prefect API can choose. The policy file (YAML, path in `FINETUNE_FLOWS_POLICY`; `make worker` writes one with
 the defaults below) says what such a run may do:
 
-    remote_code: false            # model.trust_remote_code and Hub kernel ids as attention backends
+    remote_code: false            # model.trust_remote_code, Hub kernel ids as attention backends, and
+                                  # hardware.kernels (Hub repos or local kernel directories: code either way)
     model_sources: [builtin:*, generated:*]   # patterns for built-in/generated/Hub ids; directories for local paths
     hub_datasets: false           # data.source=hub:...
     data_roots: [<checkout>/data] # local data files (data.source, data.eval_source) must lie inside one of these
@@ -66,9 +67,11 @@ class Policy(BaseModel):
     source: str = Field("built-in safe defaults", exclude=True)  # where it came from, for messages
 
     @classmethod
-    def safe_defaults(cls, checkout: Path) -> "Policy":
+    def safe_defaults(cls, checkout: Path, cache: str | None = None) -> "Policy":
+        """The defaults for a checkout; `cache`: the cache root the host names (its FINETUNE_FLOWS_CACHE) instead
+        of DEFAULT_CACHE."""
         return cls(data_roots=[checkout / "data"], config_roots=[checkout / "configs"],
-                   output_roots=[checkout / "runs"]).resolved(checkout)
+                   output_roots=[checkout / "runs"], cache_roots=[Path(cache or DEFAULT_CACHE)]).resolved(checkout)
 
     def resolved(self, base: Path) -> "Policy":
         def fix(paths: list[Path]) -> list[Path]:
@@ -190,6 +193,11 @@ def config_problems(policy: Policy, cfg: FinetuneConfig) -> list[str]:
         if attn != "auto" and attn not in ATTENTION_BACKENDS and not policy.remote_code:
             problems.append(f"{key}={attn} loads a Hub kernel (remote code); the policy does not allow remote code "
                             "(remote_code: false)")
+    if not policy.remote_code:  # a kernel repository's or directory's Python is imported by every worker
+        problems += [f"hardware.kernels.{layer}={kernel} loads kernel code from "
+                     f"{'a local directory' if _is_local_path(kernel.rsplit(':', 1)[0]) else 'the Hub'}; the policy "
+                     "does not allow remote code (remote_code: false)"
+                     for layer, kernel in cfg.hardware.kernels.items()]
     h = cfg.hardware  # a foreign cluster or rendezvous would receive this host's data and weights
     if h.launcher == "ray" and not any(fnmatch.fnmatchcase(h.ray_address, p) for p in policy.ray_addresses):
         problems.append(f"hardware.ray_address={h.ray_address} is not among the policy's ray_addresses "
@@ -315,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker policy: {path} (kept as it is)")
         return 0
     path.parent.mkdir(parents=True, exist_ok=True)
-    policy = Policy.safe_defaults(Path.cwd())
+    # the worker's own environment is the host's: the cache it names is where its runs must be allowed to write
+    policy = Policy.safe_defaults(Path.cwd(), os.environ.get("FINETUNE_FLOWS_CACHE"))
     path.write_text("# finetune-flows worker policy (deployments/README.md). Runs cannot change it.\n"
                     + policy.to_yaml())
     print(f"worker policy: wrote the safe defaults to {path}")
