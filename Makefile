@@ -143,11 +143,13 @@ deploy: pool limits
 # this host's policy (finetune_flows/runtime/policy.py): what runs may read, write and execute. The first `make worker` writes it
 # with safe defaults; edit it on the host, run parameters cannot change it. The worker (deployments/worker.py) is
 # Prefect's process worker that refuses a run whose job variables the pool's template does not declare (`env`, ...).
+# Stopped, it stops its runs as a cancel does (each saves a checkpoint) within 90 s; the tether allows 120.
 FINETUNE_FLOWS_POLICY ?= $(HOME)/.config/finetune-flows/worker-policy.yaml
 worker: pool limits
 	$(PY) -m finetune_flows.runtime.policy $(FINETUNE_FLOWS_POLICY)
 	FINETUNE_FLOWS_POLICY=$(FINETUNE_FLOWS_POLICY) FINETUNE_FLOWS_ROOT=$(CURDIR) \
-	  exec $(TETHER) $(PY) -m deployments.worker --pool $(POOL) --name $(POOL)-$$(hostname)
+	  exec $(PY) -m finetune_flows.runtime.tether --parent $$PPID --grace 120 -- \
+	  $(PY) -m deployments.worker --pool $(POOL) --name $(POOL)-$$(hostname) --stop-grace 90
 
 # The deployment tests drive the Prefect UI in headless Chromium (Debian's package; CI runs as root).
 test-deps:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,9 @@ from prefect.utilities.schema_tools.validation import validate
 from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
 
 TEMPLATE = Path(__file__).resolve().parent / "process-pool-template.json"
+# A run's training workers get hardware.stop_grace_seconds (25 s by default) to save and stop; the flow then
+# reports its state: this leaves room for both.
+STOP_GRACE_S = 90.0
 
 
 class JobVariablesRefused(RuntimeError):
@@ -90,6 +95,58 @@ with warnings.catch_warnings():
         """Prefect's process worker whose runs start only from job variables the host's template allows."""
 
         job_configuration = CheckedJobConfiguration
+        stopping = False
+
+        async def get_and_submit_flow_runs(self):
+            if self.stopping:  # asked to stop: new runs stay scheduled, for another worker or this one's restart
+                return []
+            return await super().get_and_submit_flow_runs()
+
+
+def run_until_stopped(worker: CheckedProcessWorker, grace: float) -> None:
+    """Run the worker until SIGTERM or SIGINT. Its flow runs are its child processes and die with it (the tether),
+    so the first signal stops them as a cancel does: SIGTERM to each, which saves a checkpoint, stops its workers
+    and reports the run Crashed, releasing its device slot; the worker takes no new run meanwhile and ends once
+    they have, or after `grace` s. A second signal SIGKILLs them at once. (Prefect's own handling sends the worker
+    SIGINT and leaves the runs to finish on their own: here they died with the worker mid-step, and stayed Running
+    on the server, holding their slots.)"""
+    import psutil
+
+    async def main() -> None:
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def now(signum, frame) -> None:
+            print(f"Received {signal.Signals(signum).name} again: SIGKILL to the flow runs", flush=True)
+            for proc in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            loop.call_soon_threadsafe(task.cancel)
+
+        def first(signum, frame) -> None:
+            worker.stopping = True
+            runs = psutil.Process().children()
+            print(f"Received {signal.Signals(signum).name}: taking no new runs; stopping {len(runs)} running flow "
+                  f"run(s) with SIGTERM (they save a checkpoint), up to {grace:.0f} s; again to kill them now",
+                  flush=True)
+            for proc in runs:
+                with contextlib.suppress(psutil.Error):
+                    proc.terminate()
+            signal.signal(signal.SIGTERM, now)
+            signal.signal(signal.SIGINT, now)
+
+            def end() -> None:
+                psutil.wait_procs(runs, timeout=grace)
+                loop.call_soon_threadsafe(task.cancel)
+
+            threading.Thread(target=end, name="stop-runs", daemon=True).start()
+
+        signal.signal(signal.SIGTERM, first)
+        signal.signal(signal.SIGINT, first)
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker.start()
+
+    asyncio.run(main())
+    print(f"Worker {worker.name!r} stopped!", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,22 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name")
     parser.add_argument("--work-queue", action="append", dest="work_queues")
     parser.add_argument("--limit", type=int)
+    parser.add_argument("--stop-grace", type=float, default=STOP_GRACE_S,
+                        help="seconds the running flow runs get to stop when the worker is stopped")
     args = parser.parse_args(argv)
 
     from prefect.settings import PREFECT_WORKER_HEARTBEAT_SECONDS, PREFECT_WORKER_PREFETCH_SECONDS
-    from prefect.utilities.processutils import setup_signal_handlers_worker
 
-    # As `prefect worker start` does: SIGTERM/SIGINT stop polling and end the worker, a second one kills it.
-    setup_signal_handlers_worker(os.getpid(), "the process worker", print)
     worker = CheckedProcessWorker(
         name=args.name, work_pool_name=args.pool, work_queues=args.work_queues, limit=args.limit,
         prefetch_seconds=PREFECT_WORKER_PREFETCH_SECONDS.value(),
         heartbeat_interval_seconds=int(PREFECT_WORKER_HEARTBEAT_SECONDS.value()),
         create_pool_if_not_found=False)  # `make pool` creates it, with the host's template
-    try:
-        asyncio.run(worker.start())
-    except KeyboardInterrupt:
-        print(f"Worker {worker.name!r} stopped!")
+    run_until_stopped(worker, args.stop_grace)
     return 0
 
 

@@ -26,7 +26,7 @@ import threading
 from finetune_flows.runtime.lifecycle import preexec_die_with, set_parent_death_signal
 from finetune_flows.runtime.processes import ProcessId, tree, wait_gone
 
-STOP_GRACE_SECONDS = 30.0  # Prefect's server and worker stop in a few seconds; a stuck one is killed after this
+STOP_GRACE_SECONDS = 30.0  # Prefect's server stops in a few seconds; a stuck one is killed after this (--grace)
 
 
 def run_tethered(parent: int, command: list[str], grace: float = STOP_GRACE_SECONDS) -> int:
@@ -70,12 +70,14 @@ def run_tethered(parent: int, command: list[str], grace: float = STOP_GRACE_SECO
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m finetune_flows.runtime.tether", description=__doc__.split("\n")[0])
     parser.add_argument("--parent", type=int, required=True, help="the PID whose death ends COMMAND (make: $$PPID)")
+    parser.add_argument("--grace", type=float, default=STOP_GRACE_SECONDS,
+                        help="seconds COMMAND's processes get to stop before SIGKILL")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no COMMAND after --")
-    return run_tethered(args.parent, command)
+    return run_tethered(args.parent, command, args.grace)
 
 
 if __name__ == "__main__":
