@@ -22,7 +22,7 @@ if QUIET_WHILE_LOADING:  # Ctrl-C while the libraries below load: exit at once, 
 
 from prefect import flow  # noqa: E402
 
-from finetune_flows.cli import run_cli  # noqa: E402
+from finetune_flows.cli import quiet_tracebacks, run_cli  # noqa: E402
 from finetune_flows.config.preflight import check_adapter_fits, cli_preflight, preflight  # noqa: E402
 from finetune_flows.config.schema import FinetuneConfig, load_config  # noqa: E402
 from finetune_flows.evaluation.adapters import (  # noqa: E402
@@ -51,6 +51,7 @@ def evaluate(adapter: str, config: FinetuneConfig | None = None) -> EvaluationRe
         adapter: An adapter directory or a merged checkpoint (runs/<run>/adapter or runs/<run>/merged).
         config: The run configuration; none: the one the adapter was trained with (its run's config.resolved.yaml).
     """
+    quiet_tracebacks()  # bad input ends a deployment run with its message, not a traceback too
     check_adapter_path(adapter)  # the worker's policy first: nothing read or written
     target = check_evaluation_dir(adapter)  # adapter or merged checkpoint, before anything loads
     inventory = read_inventory()  # the run's one reading of the GPUs

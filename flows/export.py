@@ -21,7 +21,7 @@ if QUIET_WHILE_LOADING:  # Ctrl-C while the libraries below load: exit at once, 
 
 from prefect import flow  # noqa: E402
 
-from finetune_flows.cli import run_cli  # noqa: E402
+from finetune_flows.cli import quiet_tracebacks, run_cli  # noqa: E402
 from finetune_flows.config.preflight import check_adapter_fits, cli_preflight  # noqa: E402
 from finetune_flows.config.schema import FinetuneConfig, check_config, load_config  # noqa: E402
 from finetune_flows.evaluation.adapters import check_adapter_dir, training_config, warn_if_other_base  # noqa: E402
@@ -46,6 +46,7 @@ def export(adapter: str, config: FinetuneConfig | None = None) -> ExportResult:
         adapter: An adapter directory (runs/<run>/adapter of a fine-tune run).
         config: The run configuration; none: the one the adapter was trained with (its run's config.resolved.yaml).
     """
+    quiet_tracebacks()  # bad input ends a deployment run with its message, not a traceback too
     check_adapter_path(adapter)  # the worker's policy first: nothing read or written
     adapter_dir = check_adapter_dir(adapter)  # before anything loads
     cfg = allowed_config(check_config(config)) if config else checked_config(training_config(adapter_dir), None)

@@ -25,7 +25,7 @@ if QUIET_WHILE_LOADING:  # Ctrl-C while the libraries below load: exit at once, 
 from prefect import flow  # noqa: E402
 from prefect.tasks import exponential_backoff  # noqa: E402
 
-from finetune_flows.cli import print_to_pipe, run_cli  # noqa: E402
+from finetune_flows.cli import print_to_pipe, quiet_tracebacks, run_cli  # noqa: E402
 from finetune_flows.config.parameters import run_parameters  # noqa: E402
 from finetune_flows.config.preflight import cli_preflight, preflight  # noqa: E402
 from finetune_flows.config.schema import FinetuneConfig, config_reference, load_config  # noqa: E402
@@ -55,6 +55,7 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     Args:
         config: The run configuration, by section; each key as `python flows/finetune.py --help-config` lists it.
     """
+    quiet_tracebacks()  # bad input ends a deployment run with its message, not a traceback too
     inventory = read_inventory()  # the run's one reading of the GPUs
     cfg = pin_hub_revisions(preflight(config, inventory))  # policy, then bad input, before anything is written
     run_dir = create_run_dir(cfg)

@@ -138,6 +138,7 @@ def test_a_run_asking_for_more_than_the_policy_is_refused_and_writes_nothing(sta
     policy_file = stack.policy
     assert f"refused by the worker policy ({policy_file})" in text, text[-3000:]
     assert refusals(host)[name][1] in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]  # bad input: its message, not the engine's stack as well
     assert SECRET_ROW not in text and SECRET not in text
     assert sorted(p.name for p in (host / "outside").iterdir()) == ["private.jsonl"]  # nothing written outside
 
