@@ -45,6 +45,7 @@ def test_stopping_the_worker_stops_its_training_run_with_a_checkpoint_and_a_fina
     log = (tmp_path / "logs" / "worker.log").read_text()
     print(f"FAULT worker SIGTERM: make worker ended {took:.1f} s after the signal; the run {run.state.type.value}")
     assert "taking no new runs; stopping 1 running flow run(s) with SIGTERM" in log, log[-3000:]
+    assert "[train] stopped on a signal at step" in log and "[train] error:" not in log, log[-3000:]
     assert run.state.type.value in ("CRASHED", "CANCELLED"), run.state
     assert list((out / "checkpoints").glob("checkpoint-*")), "the stopped training saved no checkpoint"
     assert not [m for m in members if m.is_running()], "a process of the run outlived the worker"

@@ -460,7 +460,7 @@ def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
             message = f"{type(exc).__name__} while writing: {message}"
         report_failure(workdir, step, kind, str(exc) if kind == "user_error" else message,
                        int(job.get("micro_batch_split", 1)))
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print(exc if kind == "interrupted" else f"error: {exc}", file=sys.stderr, flush=True)  # a stop is no error
         exit_now(EXIT_CODES[kind])
     if result is not None:
         write_json(workdir / f"{step}.result.json", result)
