@@ -138,6 +138,8 @@ limits: setup
 
 deploy: pool limits
 	$(PREFECT) --no-prompt deploy --all --prefect-file deployments/prefect.yaml
+	@echo "Start this host's worker with: make worker  (not Prefect's 'prefect worker start' above: it lacks the worker"
+	@echo "policy and the check of each run's job variables, deployments/README.md)"
 
 # Flow runs execute in this checkout (the pull step in deployments/prefect.yaml reads FINETUNE_FLOWS_ROOT), under
 # this host's policy (finetune_flows/runtime/policy.py): what runs may read, write and execute. The first `make worker` writes it
