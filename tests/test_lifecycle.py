@@ -252,16 +252,29 @@ def test_a_plain_crash_stays_retryable(tmp_path, cpu_env):
     assert type(info.value) is WorkerFailed and "RuntimeError: something broke" in info.value.tail
 
 
+def run_interrupted(tmp_path, cpu_env, interrupt, stop_grace: float) -> None:
+    """run_worker on a hanging worker whose child (in another session) ignores SIGTERM, while `interrupt(main)`, in
+    a thread, signals the main thread (whose id it gets); the run must end in KeyboardInterrupt. Python leaves
+    SIGINT ignored when it starts ignored (a suite started in the background by a shell without job control:
+    `make test &` in a script), and then Ctrl-C never reaches run_worker; these tests need Python's default."""
+    child_job = write_job(tmp_path, "child", do="stubborn")
+    job = write_job(tmp_path, "evaluate", do="hang", child_job=str(child_job))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt, args=(threading.main_thread().ident,), daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            run_worker("evaluate", python_module("tests.fault_worker", job), cpu_env, tmp_path, stop_grace=stop_grace)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_an_interrupted_wait_stops_the_whole_tree_sigkill_after_the_grace_period(tmp_path, caplog, cpu_env):
     """Ctrl-C in the orchestrator: SIGTERM to the worker and its child in another session; the child ignores it,
     so SIGKILL follows after the grace period, and run_worker returns only once both are gone."""
-    child_job = write_job(tmp_path, "child", do="stubborn")
-    job = write_job(tmp_path, "evaluate", do="hang", child_job=str(child_job))
-    main = threading.main_thread().ident
     seen: dict[str, ProcessId] = {}
     failed: list[Exception] = []
 
-    def interrupt() -> None:  # interrupts even when a pid never shows, so the test ends with that error, not a hang
+    def interrupt(main: int) -> None:  # interrupts even when a pid never shows: the test ends with that error
         try:
             seen["child"] = wait_for(tmp_path / "child.self.pid")
             seen["worker"] = wait_for(tmp_path / "evaluate.self.pid")
@@ -269,15 +282,7 @@ def test_an_interrupted_wait_stops_the_whole_tree_sigkill_after_the_grace_period
             failed.append(exc)
         signal.pthread_kill(main, signal.SIGINT)
 
-    # Python leaves SIGINT ignored when it starts ignored (a suite started in the background by a shell without job
-    # control: `make test &` in a script), and then Ctrl-C never reaches run_worker; this test needs Python's default
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        threading.Thread(target=interrupt, daemon=True).start()
-        with pytest.raises(KeyboardInterrupt):
-            run_worker("evaluate", python_module("tests.fault_worker", job), cpu_env, tmp_path, stop_grace=2)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    run_interrupted(tmp_path, cpu_env, interrupt, stop_grace=2)
     assert not failed, failed
     assert not seen["worker"].is_running() and not seen["child"].is_running()
     assert "did not stop within 2 s: SIGKILL to pids" in caplog.text
@@ -287,12 +292,9 @@ def test_an_interrupted_wait_stops_the_whole_tree_sigkill_after_the_grace_period
 def test_a_second_ctrl_c_during_the_grace_period_kills_at_once_and_says_so(tmp_path, caplog, cpu_env):
     """The second Ctrl-C is the user's "now": SIGKILL at once. The log said "did not stop within 25 s" 0.05 s after
     the first signal; it now says what happened."""
-    child_job = write_job(tmp_path, "child", do="stubborn")
-    job = write_job(tmp_path, "evaluate", do="hang", child_job=str(child_job))
-    main = threading.main_thread().ident
     seen: dict[str, ProcessId] = {}
 
-    def interrupt_twice() -> None:
+    def interrupt_twice(main: int) -> None:
         try:
             seen["child"] = wait_for(tmp_path / "child.self.pid")
         finally:
@@ -300,14 +302,8 @@ def test_a_second_ctrl_c_during_the_grace_period_kills_at_once_and_says_so(tmp_p
             time.sleep(1)
             signal.pthread_kill(main, signal.SIGINT)
 
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     started = time.monotonic()
-    try:
-        threading.Thread(target=interrupt_twice, daemon=True).start()
-        with pytest.raises(KeyboardInterrupt):
-            run_worker("evaluate", python_module("tests.fault_worker", job), cpu_env, tmp_path, stop_grace=60)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    run_interrupted(tmp_path, cpu_env, interrupt_twice, stop_grace=60)
     assert time.monotonic() - started < 40 and not seen["child"].is_running()
     assert re.search(r"was stopped again [0-9.]+ s into its 60 s to stop \(a second Ctrl-C or signal\)", caplog.text)
     assert "did not stop within" not in caplog.text

@@ -26,7 +26,7 @@ from finetune_flows.errors import ConfigError, DataError, EnvironmentMismatch, U
 from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
 from finetune_flows.models.sources import check_model_source, model_config
 from finetune_flows.packages import installed_version
-from finetune_flows.store.fingerprint import cached_hub_commit
+from finetune_flows.store.fingerprint import uncached_hub_sources
 from finetune_flows.runtime.policy import allowed_config
 from finetune_flows.reporting.tracking import tracking_problems
 from finetune_flows.runtime.environment import PROBE_DIR_ENV, cpu_half_precision_problems, hub_reachable, probe_dir
@@ -104,14 +104,7 @@ def check_data(cfg: FinetuneConfig) -> None:
 def hub_problems(cfg: FinetuneConfig) -> list[str]:
     """A Hub model or dataset that neither the local Hub cache holds nor the Hub can give (offline, unreachable):
     said here, not by the flow's first step after a server has started. Asks the Hub only where the cache lacks it."""
-    wanted = []  # (key, source, repo id, revision, repo type)
-    src = cfg.model.source
-    if not src.startswith(("builtin:", "generated:")) and not Path(src).expanduser().exists():
-        wanted.append(("model.source", src, src, cfg.model.revision, "model"))  # a Hub id (check_model_source)
-    for key, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source)):
-        if source and source.startswith("hub:"):
-            wanted.append((key, source, source[4:], cfg.data.hub_revision, "dataset"))
-    missing = [w for w in wanted if cached_hub_commit(*w[2:]) is None]
+    missing = uncached_hub_sources(cfg)
     if not missing or hub_reachable():
         return []
     from huggingface_hub.constants import HF_HUB_CACHE, HF_HUB_OFFLINE
@@ -258,12 +251,12 @@ def check_adapter_fits(adapter_dir: Path, cfg: FinetuneConfig) -> None:
     with safe_open(weights, "pt") as tensors:
         for key in tensors.keys():
             name, _, kind = key.partition(".lora_")
-            module = modules.get(name.removeprefix("base_model.model."))
             if kind not in ("A.weight", "B.weight"):
                 continue
-            shape = tensors.get_slice(key).get_shape()
+            name = name.removeprefix("base_model.model.")
+            module, shape = modules.get(name), tensors.get_slice(key).get_shape()
             if module is None:
-                misfits.append(f"{key}: the model has no module {name.removeprefix('base_model.model.')}")
+                misfits.append(f"{key}: the model has no module {name}")
             elif kind == "A.weight" and shape[1] != getattr(module, "in_features", shape[1]):
                 misfits.append(f"{key}: {shape[1]} inputs, the model's layer has {module.in_features}")
             elif kind == "B.weight" and shape[0] != getattr(module, "out_features", shape[0]):

@@ -33,7 +33,7 @@ from finetune_flows.runtime.launcher import python_module, run_worker, write_job
 from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.store.entries import Entry, reuse_or_record
-from finetune_flows.store.fingerprint import cached_hub_commit
+from finetune_flows.store.fingerprint import uncached_hub_sources
 from finetune_flows.training.distributed import plan_problems, world_size
 from finetune_flows.training.planner import GIB, OUTSIDE_ALLOCATOR, allocator_bytes, memory_parts
 from finetune_flows.training.sharding import readable_model_shape, resolve_strategy
@@ -175,15 +175,10 @@ def resolve_plan(cfg: FinetuneConfig, env: EnvironmentReport, selection: GpuSele
         problems.append(f"eval.dtype=bfloat16, but GPU {no_bf16[0].index} ({no_bf16[0].name}) has no bf16")
 
     # on the host that loads them: Hub sources the local Hub cache holds need no Hub (the flow pinned their commits)
-    src = cfg.model.source
-    if (not (src.startswith(("builtin:", "generated:")) or Path(src).expanduser().exists()) and not env.hub_reachable
-            and cached_hub_commit(src, cfg.model.revision, "model") is None):
-        problems.append(f"model.source={src} is neither a built-in, a generated model, an existing local path nor "
-                        "in the local Hub cache, and the Hugging Face Hub is unreachable")
-    problems += [f"{key}={source} is not in the local Hub cache and the Hugging Face Hub is unreachable"
-                 for key, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source))
-                 if source and source.startswith("hub:") and not env.hub_reachable
-                 and cached_hub_commit(source[4:], cfg.data.hub_revision, "dataset") is None]
+    for key, source, _, _, kind in [] if env.hub_reachable else uncached_hub_sources(cfg):
+        what = ("is neither a built-in, a generated model, an existing local path nor in the local Hub cache,"
+                if kind == "model" else "is not in the local Hub cache")
+        problems.append(f"{key}={source} {what} and the Hugging Face Hub is unreachable")
     budget = cfg.hardware.memory_budget_gib
     problems += [f"hardware.memory_budget_gib={budget:g} is more than GPU {g.index} ({g.name}) has: "
                  f"{g.memory_total_mib / 1024:.1f} GiB; set at most that, or null for the whole GPU"

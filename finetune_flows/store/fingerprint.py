@@ -149,6 +149,19 @@ def cached_hub_commit(repo_id: str, revision: str | None, repo_type: str) -> str
     return ref.read_text().strip() if ref.is_file() else None
 
 
+def uncached_hub_sources(cfg) -> list[tuple[str, str, str, str | None, str]]:
+    """The run's Hub sources the local Hub cache does not hold, as (key, source, repo id, revision, repo type): a
+    model.source that is no built-in, generated model or existing path, and each `hub:` data source."""
+    wanted = []
+    src = cfg.model.source
+    if not src.startswith(("builtin:", "generated:")) and not Path(src).expanduser().exists():
+        wanted.append(("model.source", src, src, cfg.model.revision, "model"))
+    for key, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source)):
+        if source and source.startswith("hub:"):
+            wanted.append((key, source, source[4:], cfg.data.hub_revision, "dataset"))
+    return [w for w in wanted if cached_hub_commit(*w[2:]) is None]
+
+
 def pin_hub_revisions(cfg):
     """The config with Hub model/dataset revisions pinned to commits, so cache keys see upstream changes and
     config.resolved.yaml records exactly what was read. Local and built-in sources are returned unchanged."""
