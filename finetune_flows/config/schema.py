@@ -413,7 +413,8 @@ class ExportConfig(Section):
         "bfloat16", description="Weight dtype of the merged checkpoint."
     )
     check_prompts: int = Field(
-        8, ge=1, description="Held-out prompts on which the merged model's logits are compared with base + adapter."
+        8, ge=1, description="Held-out prompts (with their answers; text data: held-out rows) on which the merged "
+        "model's logits are compared with base + adapter."
     )
     max_logit_error: float = Field(
         0.5, gt=0,
