@@ -107,9 +107,8 @@ def run_until_stopped(worker: CheckedProcessWorker, grace: float) -> None:
     """Run the worker until SIGTERM or SIGINT. Its flow runs are its child processes and die with it (the tether),
     so the first signal stops them as a cancel does: SIGTERM to each, which saves a checkpoint, stops its workers
     and reports the run Crashed, releasing its device slot; the worker takes no new run meanwhile and ends once
-    they have, or after `grace` s. A second signal SIGKILLs them at once. (Prefect's own handling sends the worker
-    SIGINT and leaves the runs to finish on their own: here they died with the worker mid-step, and stayed Running
-    on the server, holding their slots.)"""
+    they have, or after `grace` s. A second signal SIGKILLs them at once. (Prefect's own handling leaves the runs
+    to finish on their own, which a tethered worker's runs cannot: they would die mid-step and stay Running.)"""
     import psutil
 
     async def main() -> None:
