@@ -108,7 +108,7 @@ def test_unknown_layout_and_empty_and_missing_files(tmp_path):
     with pytest.raises(DataError, match="data file not found"):
         read_rows(str(tmp_path / "missing.jsonl"), cfg.data)
     with pytest.raises(DataError, match=r"data file not found: data/missing.jsonl \(relative to the current "
-                                        f"directory, {re.escape(str(Path.cwd()))}\)"):
+                                        rf"directory, {re.escape(str(Path.cwd()))}\)"):
         read_rows("data/missing.jsonl", cfg.data)
     (tmp_path / "data.txt").write_text("hi")
     with pytest.raises(DataError, match="unsupported file type .txt"):
@@ -123,15 +123,96 @@ def test_csv_row_with_extra_fields(tmp_path):
 
 
 def test_a_csv_record_is_named_by_every_line_it_spans(tmp_path):
-    """A stray quote swallows the rows after it into one field: the error names where the record starts, not only
-    the line where the file (or the next quote) ends it."""
-    path = tmp_path / "stray.csv"
-    path.write_text('prompt,response\na,b\n"say hi,there\nc,d\ne,f\n')
+    """A quoted field may hold line breaks: the record is named by all its lines."""
+    path = tmp_path / "lines.csv"
     data = cfg_for(path, tmp_path).data
-    with pytest.raises(DataError, match="stray.csv: 1 malformed row\\(s\\): lines 3-5: `response` is missing"):
-        normalize(read_rows(str(path), data), data, str(path))
     path.write_text('prompt,response\n"two\nlines",b\nc,d\n')  # a quoted line break: one record, two lines
     assert [r["__row__"] for r in read_rows(str(path), data)] == ["lines 2-3", "line 4"]
+
+
+@pytest.mark.parametrize("rows", ['a,b\n"say hi,there\nc,d\ne,f\n',  # open to the end of the file
+                                  'a,b\n"say hi,there\nc,d\ne,He said "no" twice\ng,h\n'])  # closed further down
+def test_a_stray_csv_quote_is_refused_not_folded_into_one_field(tmp_path, rows):
+    """The lenient reader folds every row after a stray quote into one field (up to the file's end or the next
+    quote), and a run trains on that: the record it starts is named instead."""
+    path = tmp_path / "stray.csv"
+    path.write_text("prompt,response\n" + rows)
+    with pytest.raises(DataError, match=r"stray.csv: the record that starts on line 3 is not valid CSV \("):
+        read_rows(str(path), cfg_for(path, tmp_path).data)
+
+
+def test_csv_quoting_that_is_valid_reads_as_written(tmp_path):
+    path = tmp_path / "quotes.csv"
+    path.write_text('prompt,response\nq"x,a\n"say ""hi""",b\n"one,\r\ntwo",c\nq,"[1,2]"\nlong,' + "x" * 200_000 + "\n")
+    rows = read_rows(str(path), cfg_for(path, tmp_path).data)
+    assert [(r["prompt"], r["response"][:5]) for r in rows] == [
+        ('q"x', "a"), ('say "hi"', "b"), ("one,\r\ntwo", "c"), ("q", "[1,2]"), ("long", "xxxxx")]
+    assert len(rows[-1]["response"]) == 200_000  # no field size limit: data.max_length is the limit
+
+
+def test_a_csv_column_named_twice_is_refused(tmp_path):
+    path = tmp_path / "twice.csv"
+    path.write_text("prompt,response,response\na,b,c\n")
+    with pytest.raises(DataError, match="twice.csv line 1: column\\(s\\) 'response' appear more than once"):
+        read_rows(str(path), cfg_for(path, tmp_path).data)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_lone_surrogate_is_named_by_row_and_key(tmp_path, suffix):
+    """`"\\ud83d"` (an emoji cut in two) is valid JSON that no tokenizer takes; a whole pair reads as the emoji."""
+    path = tmp_path / f"tweets{suffix}"
+    good, bad = '{"prompt": "smile \\ud83d\\ude00", "response": "ok"}', '{"prompt": "cut \\ud83d", "response": "ok"}'
+    path.write_text(f"{good}\n{bad}\n" if suffix == ".jsonl" else f"[{good}, {bad}]")
+    where = "line 2" if suffix == ".jsonl" else "row 2"
+    with pytest.raises(DataError, match=f"tweets{suffix} {where}: `prompt` holds a lone UTF-16 surrogate "
+                                        r"\('\\ud83d' at character 5\)"):
+        read_rows(str(path), cfg_for(path, tmp_path).data)
+    path.write_text(f"{good}\n" if suffix == ".jsonl" else f"[{good}]")
+    assert read_rows(str(path), cfg_for(path, tmp_path).data)[0]["prompt"] == "smile \U0001f600"
+
+
+def test_an_empty_chat_turn_is_refused_like_an_empty_response(tmp_path):
+    """An empty answer teaches the model to say nothing, and scores as a hit for `contains`."""
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": a}]} for a in ("hello", " ")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = cfg_for(path, tmp_path)
+    with pytest.raises(DataError, match=r"1 malformed row\(s\): line 2: `messages`\[2\] \(assistant\) must be "
+                                        "non-empty text \\(got ' '\\)"):
+        normalize(read_rows(str(path), cfg.data), cfg.data, str(path))
+
+
+def test_when_most_rows_are_malformed_the_detected_format_is_named(tmp_path):
+    """The format is told from the first row's columns: a first row of another format blames every other row."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(json.dumps({"text": "hello"}) + "\n" + "".join(json.dumps(r) + "\n" for r in ROWS[:4]))
+    cfg = cfg_for(path, tmp_path)
+    with pytest.raises(DataError, match=r"4 malformed row\(s\) as text format \(detected from the columns of line 1; "
+                                        r"set data.format\): line 2: `text` must be non-empty text"):
+        normalize(read_rows(str(path), cfg.data), cfg.data, str(path))
+
+
+def test_a_missing_data_file_names_its_key(tmp_path):
+    cfg = cfg_for(tmp_path / "train.jsonl", tmp_path, f"data.eval_source={tmp_path / 'held.jsonl'}")
+    with pytest.raises(DataError, match=f"data.eval_source={tmp_path / 'held.jsonl'}: data file not found"):
+        read_rows(cfg.data.eval_source, cfg.data)
+    with pytest.raises(DataError, match="data.source=.*: .* is not a file \\(a directory of files is not read"):
+        read_rows(str(tmp_path), cfg.data)
+
+
+def test_held_out_rows_the_length_cut_drops_are_not_generated_from(tmp_path, tokenizer_dir):
+    """eval_prompts.jsonl holds the rows eval.parquet holds: a held-out row whose answer data.max_length cuts off
+    entirely is neither in the eval loss nor generated from (its prompt can be far beyond the model's context)."""
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    held.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": "Say teal", "response": "TEAL"},
+                                                           {"prompt": "lorem ipsum " * 200, "response": "LONG"}]))
+    cfg = cfg_for(train, tmp_path, f"data.eval_source={held}", "data.max_length=64")
+    stats = build_dataset(cfg, tokenizer_dir, tmp_path / "out")
+    assert (stats.eval_rows, stats.dropped) == (1, 1)
+    prompts = [json.loads(line) for line in (tmp_path / "out" / "eval_prompts.jsonl").read_text().splitlines()]
+    assert [p["reference"] for p in prompts] == ["TEAL"]
 
 
 def test_instruction_masks_the_prompt(tokenizer):

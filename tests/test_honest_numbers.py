@@ -98,6 +98,7 @@ def test_exact_match_is_case_sensitive_on_stripped_text_and_contains_is_reported
     assert not score_answer("Billing/high", "billing/high", "exact_match")
     assert score_answer("The team is billing/high.", "billing/high", "contains")
     assert not score_answer("The team is Billing/High.", "billing/high", "contains")
+    assert not score_answer("anything", " ", "contains")  # '' is in every answer
     assert rates(["billing/high", "it is billing/high", "no idea", "shipping/low"], ["billing/high"] * 4) == {
         "exact_match": 0.25, "contains": 0.5}
 

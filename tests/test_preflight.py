@@ -317,7 +317,8 @@ def test_an_adapter_for_another_model_is_one_message_before_any_server(tmp_path,
     assert_one_message_before_any_server(
         done, tmp_path, f"the adapter {adapter} does not fit model.source=generated:qwen3-0.6b:",
         "down_proj.lora_A.weight: 128 inputs, the model's layer has 3072", "was it trained on another model?")
-    assert not (tmp_path / "c").exists()  # nothing quantized
+    made = {p.name for p in (tmp_path / "c").iterdir() if not p.name.startswith(".")}
+    assert made <= {"tokenizers"}, made  # the checks' tokenizer only: no model made, nothing quantized
 
 
 def test_an_adapter_checked_against_its_own_model_passes(tmp_path):
@@ -334,3 +335,54 @@ def test_an_adapter_checked_against_its_own_model_passes(tmp_path):
         .save_pretrained(adapter)
     check_adapter_fits(adapter, load_config(None, ["model.source=generated:tiny-llama"]))
     check_adapter_fits(adapter, load_config(None, [f"model.source={base}"]))
+
+
+TEMPLATES = {  # a chat template -> what the checks say about the rows it is given
+    "refuses a system turn": (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+        "line 1: the model's chat template refuses this row (TemplateError: System role not supported)"),
+    "rewrites earlier turns": (  # as Qwen3's drops earlier answers' reasoning: the answers cannot be masked
+        "{% for m in messages %}{% if m.role == 'assistant' and loop.last %}{{ '<|im_start|>assistant\\n<think>\\n\\n"
+        "</think>\\n\\n' + m.content + '<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + "
+        "'<|im_end|>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+        "{% endif %}",
+        "line 1: the model's chat template renders this conversation's earlier turns differently once later turns "
+        "follow"),
+}
+
+
+@pytest.mark.parametrize("case", TEMPLATES)
+def test_a_chat_template_that_cannot_take_the_rows_is_named_by_row_before_any_server(tmp_path, shared_cache, case):
+    """Both were found by the dataset step, after a server had started: a traceback, a retry, exit 1."""
+    import shutil
+
+    from finetune_flows.models.sources import materialize_model
+
+    template, message = TEMPLATES[case]
+    model = tmp_path / "model"
+    shutil.copytree(materialize_model("generated:tiny-llama", shared_cache), model)
+    (model / "chat_template.jinja").write_text(template)
+    data = tmp_path / "chat.jsonl"
+    def turns(i):
+        return [{"role": "system", "content": "Be brief."}] * (i % 2) + [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": f"2+{i}?"}, {"role": "assistant", "content": str(2 + i)}]
+
+    data.write_text("".join(json.dumps({"messages": turns(i)}) + "\n" for i in range(1, 21)))
+    done = cli(tmp_path, "--set", f"data.source={data}", "--set", f"model.source={model}")
+    assert_one_message_before_any_server(done, tmp_path, f"{data} {message}")
+
+
+def test_data_none_of_whose_rows_fit_max_length_is_said_before_any_server(tmp_path):
+    """The held-out split (or the training one) keeping no row within data.max_length was found by the dataset
+    step, after a server had started; the split is the run's own (data.seed), so the checks name the same split."""
+    rows = [{"prompt": f"Question {i}?", "response": str(i)} for i in range(20)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    long = [{"prompt": f"long {i} " + "lorem ipsum dolor sit amet " * 40, "response": str(i)} for i in range(3)]
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in long))
+    done = cli(tmp_path, "--set", f"data.source={tmp_path / 'train.jsonl'}", "--set", "data.max_length=64",
+               "--set", f"data.eval_source={tmp_path / 'held.jsonl'}")
+    assert_one_message_before_any_server(done, tmp_path, f"{tmp_path / 'held.jsonl'}: no evaluation example fits in "
+                                         "data.max_length=64; raise data.max_length or shorten the prompts")

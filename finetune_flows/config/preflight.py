@@ -10,7 +10,8 @@ attention backend needs from the machine, the optimizer name, the experiment tra
 answering), and that the run and cache directories (and $FINETUNE_FLOWS_PROBE_DIR, where set) can be created.
 LoRA target modules are checked against the model's module names, the model built on the meta device from its
 config (no weights): the source's, where one can be read without a download, and again before training launches.
-"""
+Where the tokenizer can be had without the Hub, the first rows of each data file go through it and its chat
+template (a row the template refuses; data none of whose rows fit data.max_length)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from functools import lru_cache
 from pathlib import Path
 
 from finetune_flows.config.schema import FinetuneConfig, check_config
-from finetune_flows.data.dataset import normalize, read_rows, split
+from finetune_flows.data.dataset import check_rows_tokenize, check_split_fits, normalize, read_rows, split
+from finetune_flows.data.rows import row_names
 from finetune_flows.errors import ConfigError, DataError, EnvironmentMismatch, UserInputError
 from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
-from finetune_flows.models.sources import check_model_source, model_config
+from finetune_flows.models.sources import check_model_source, model_config, tokenizer_without_download
 from finetune_flows.packages import installed_version
 from finetune_flows.store.fingerprint import uncached_hub_sources
 from finetune_flows.runtime.policy import allowed_config
@@ -58,9 +60,10 @@ def cli_preflight(cfg: FinetuneConfig) -> FinetuneConfig:
 def _check(cfg: FinetuneConfig, inventory: list[GpuInfo] | None = None) -> FinetuneConfig:
     cfg = allowed_config(check_config(cfg))
     check_model_source(cfg.model.source, cfg.model.trust_remote_code)
-    check_data(cfg)
+    examples, splits = check_data(cfg)
     check_lora_targets_of_source(cfg)
     check_directories(cfg)
+    check_tokens(cfg, examples, splits)
     problems = (optimizer_problems(cfg) + machine_problems(cfg, inventory) + tracking_problems(cfg)
                 + hub_problems(cfg))
     if problems:
@@ -83,9 +86,10 @@ def check_utf8(path: Path) -> None:
                         "save the file as UTF-8") from None
 
 
-def check_data(cfg: FinetuneConfig) -> None:
+def check_data(cfg: FinetuneConfig) -> tuple[dict[str, tuple[list, list[str]]], tuple[list, list] | None]:
     """Every row of the training (and held-out) data, as the dataset step will read it, and its split: enough rows
-    to train on and held-out rows left once the copies of training prompts are removed."""
+    to train on and held-out rows left once the copies of training prompts are removed. Returns, for
+    `check_tokens`, each local source's examples and where each row is, and the split (None with a Hub source)."""
     d = cfg.data
     formats, examples = {}, {}
     for source in filter(None, (d.source, d.eval_source)):
@@ -94,11 +98,34 @@ def check_data(cfg: FinetuneConfig) -> None:
         path = Path(source).expanduser()
         if not source.startswith("builtin:") and path.is_file() and path.suffix.lower() != ".parquet":
             check_utf8(path)
-        formats[source], examples[source] = normalize(read_rows(source, d), d, source)
+        rows = read_rows(source, d)
+        formats[source], normalized = normalize(rows, d, source)
+        examples[source] = (normalized, row_names(rows))
     if d.eval_source in formats and len(set(formats.values())) > 1:
         raise DataError(f"{d.eval_source} is {formats[d.eval_source]} format but {d.source} is {formats[d.source]}")
     if d.source in examples and (d.eval_source is None or d.eval_source in examples):
-        split(d, examples[d.source], examples.get(d.eval_source) if d.eval_source else None)
+        train, held_out, *_ = split(d, examples[d.source][0], examples[d.eval_source][0] if d.eval_source else None)
+        return examples, (train, held_out)
+    return examples, None
+
+
+def check_tokens(cfg: FinetuneConfig, examples: dict[str, tuple[list, list[str]]],
+                 splits: tuple[list, list] | None) -> None:
+    """The rows through the model's tokenizer and chat template, where the tokenizer can be had without the Hub:
+    a template that refuses a row, or a split none of whose rows fit data.max_length, is said before a server
+    starts (the split only where every row was tokenized: PREFLIGHT_ROWS)."""
+    if not examples:
+        return
+    tokenizer = tokenizer_without_download(cfg.model.source, cfg.cache_root, cfg.model.revision,
+                                           cfg.model.trust_remote_code)
+    if tokenizer is None:
+        return
+    fits: set[int] | None = set()
+    for source, (normalized, names) in examples.items():
+        fit = check_rows_tokenize(tokenizer, normalized, names, source, cfg.data)
+        fits = None if fits is None or fit is None else fits | fit
+    if fits is not None and splits is not None:
+        check_split_fits(cfg.data, *splits, fits)
 
 
 def hub_problems(cfg: FinetuneConfig) -> list[str]:

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from finetune_flows.files import write_atomic
 from finetune_flows.config.schema import DataConfig, FinetuneConfig
-from finetune_flows.data.rows import normalize, read_rows
+from finetune_flows.data.rows import normalize, read_rows, row_names
 from finetune_flows.errors import DataError
 from finetune_flows.store.fingerprint import combine, hash_bytes_of, hash_tree, step_versions
 from finetune_flows.logs import run_logger
@@ -29,6 +29,7 @@ FALLBACK_PROMPT = "### Instruction:\n{prompt}\n\n### Response:\n"
 
 
 FEW_ROWS = 10  # fewer training rows than this: said, not refused (a smoke test may want exactly that)
+PREFLIGHT_ROWS = 10_000  # rows of each source tokenized by the checks before a run (about 3 s on a CPU core)
 OUTPUTS = ("train.parquet", "eval.parquet", "eval_prompts.jsonl", "stats.json")
 
 
@@ -92,8 +93,10 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
         before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else bos_text(tokenizer)
         through = render(tokenizer, messages[: i + 1])
         if not full.startswith(through) or not through.startswith(before):
-            raise DataError("the tokenizer's chat template does not render conversations prefix-consistently, so "
-                            "prompt tokens cannot be masked; use data.format=text or another template")
+            raise DataError("the model's chat template renders this conversation's earlier turns differently once "
+                            "later turns follow (it rewrites or drops them), so the answers' tokens cannot be told "
+                            "from the prompt's; train on the conversations as whole texts (a `text` column, "
+                            "data.format=text) or use a model whose template keeps earlier turns as they were")
         spans.append((len(before), len(through)))
     return full, spans
 
@@ -113,6 +116,41 @@ def tokenize_example(tokenizer, example: list[dict[str, str]] | str, max_length:
         labels.append(tok_id if inside else IGNORE_INDEX)
     truncated = len(ids) > max_length
     return {"input_ids": ids[:max_length], "labels": labels[:max_length]}, truncated
+
+
+def encode_row(tokenizer, example: list[dict[str, str]] | str, max_length: int, where: str) -> tuple[dict, bool]:
+    """`tokenize_example`, with a failure named by its row (`where`: the file and line) as a DataError: a chat
+    template that refuses the row (`raise_exception`), one that cannot be masked."""
+    try:
+        return tokenize_example(tokenizer, example, max_length)
+    except DataError as exc:
+        raise DataError(f"{where}: {exc}") from None
+    except Exception as exc:  # the template's own error: a role it does not take, turns that do not alternate
+        raise DataError(f"{where}: the model's chat template refuses this row ({type(exc).__name__}: {exc})") \
+            from None
+
+
+def check_rows_tokenize(tokenizer, examples: list, names: list[str], source: str, d: DataConfig,
+                        limit: int = PREFLIGHT_ROWS) -> set[int] | None:
+    """The checks before a run: the first `limit` rows of a source tokenize, each failure named by its row. Returns
+    the ids (`id()`) of the rows that keep answer tokens within data.max_length, where that was every row (None
+    where the source has more), for `check_split_fits`."""
+    fits = set()
+    for example, name in zip(examples[:limit], names[:limit]):
+        enc, _ = encode_row(tokenizer, example, d.max_length, f"{source} {name}")
+        if any(label != IGNORE_INDEX for label in enc["labels"]):
+            fits.add(id(example))
+    return fits if len(examples) <= limit else None
+
+
+def check_split_fits(d: DataConfig, train: list, evaluation: list, fits: set[int]) -> None:
+    """Both splits keep at least one row within data.max_length (`fits`: the ids of the rows that do)."""
+    if not any(id(ex) in fits for ex in train):
+        raise DataError(f"{d.source}: no training example keeps any answer tokens within data.max_length="
+                        f"{d.max_length}; raise data.max_length or shorten the prompts")
+    if not any(id(ex) in fits for ex in evaluation):
+        raise DataError(f"{d.eval_source or d.source}: no evaluation example fits in data.max_length={d.max_length}; "
+                        "raise data.max_length or shorten the prompts")
 
 
 def prompt_and_reference(tokenizer, example: list[dict[str, str]] | str) -> dict[str, str] | None:
@@ -221,37 +259,39 @@ def build_dataset(cfg: FinetuneConfig, tokenizer_dir: Path, out: Path) -> Prepar
     from transformers import AutoTokenizer
 
     d = cfg.data
-    fmt, examples = normalize(read_rows(d.source, d), d, d.source)
+    rows = read_rows(d.source, d)
+    fmt, examples = normalize(rows, d, d.source)
+    where = {id(ex): f"{d.source} {name}" for ex, name in zip(examples, row_names(rows))}  # for errors only
     eval_examples = None
     if d.eval_source:
-        eval_fmt, eval_examples = normalize(read_rows(d.eval_source, d), d, d.eval_source)
+        rows = read_rows(d.eval_source, d)
+        eval_fmt, eval_examples = normalize(rows, d, d.eval_source)
         if eval_fmt != fmt:
             raise DataError(f"{d.eval_source} is {eval_fmt} format but {d.source} is {fmt}")
+        where |= {id(ex): f"{d.eval_source} {name}" for ex, name in zip(eval_examples, row_names(rows))}
     train_examples, eval_examples, removed_exact, removed_folded = split(d, examples, eval_examples)
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=cfg.model.trust_remote_code)
     stats = {"truncated": 0, "dropped": 0, "train_tokens": 0}
 
-    def encode(batch: list) -> dict[str, list]:
+    def encode(batch: list) -> tuple[dict[str, list], list]:
         cols: dict[str, list] = {"input_ids": [], "labels": []}
+        kept = []
         for ex in batch:
-            enc, truncated = tokenize_example(tokenizer, ex, d.max_length)
+            enc, truncated = encode_row(tokenizer, ex, d.max_length, where.get(id(ex), d.source))
             stats["truncated"] += truncated
             if all(label == IGNORE_INDEX for label in enc["labels"]):
                 stats["dropped"] += 1  # the answer was cut off entirely: nothing to learn
                 continue
             cols["input_ids"].append(enc["input_ids"])
             cols["labels"].append(enc["labels"])
-        return cols
+            kept.append(ex)
+        return cols, kept
 
-    train = encode(train_examples)
+    train, train_kept = encode(train_examples)
     stats["train_tokens"] = sum(map(len, train["input_ids"]))
-    evaluation = encode(eval_examples)
-    if not train["input_ids"]:
-        raise DataError(f"{d.source}: no training example keeps any answer tokens within data.max_length="
-                        f"{d.max_length}")
-    if not evaluation["input_ids"]:
-        raise DataError(f"{d.eval_source or d.source}: no evaluation example fits in data.max_length={d.max_length}")
+    evaluation, eval_examples = encode(eval_examples)  # prompts are generated from the rows that fit only
+    check_split_fits(d, train_kept, eval_examples, {id(ex) for ex in train_kept + eval_examples})
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(train), out / "train.parquet")
     pq.write_table(pa.table(evaluation), out / "eval.parquet")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ MAX_ROW_ERRORS = 5
 
 
 def read_rows(source: str, cfg: DataConfig) -> list[dict[str, Any]]:
-    """Rows as dicts, with errors naming the file and row."""
+    """Rows as dicts, with errors naming the file and row (and the key, where the file is not there)."""
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
         if name not in BUILTIN_DATASETS:
@@ -34,11 +35,13 @@ def read_rows(source: str, cfg: DataConfig) -> list[dict[str, Any]]:
         except Exception as exc:
             raise DataError(f"data.source={source}: could not load from the Hub: {exc}") from None
     path = Path(source).expanduser()
+    key = "data.eval_source" if source == cfg.eval_source and source != cfg.source else "data.source"
     if not path.exists():
         relative = "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
-        raise DataError(f"data file not found: {path}{relative}")
+        raise DataError(f"{key}={source}: data file not found: {path}{relative}")
     if not path.is_file():
-        raise DataError(f"data source {path} is not a file")
+        raise DataError(f"{key}={source}: {path} is not a file (a directory of files is not read: name one "
+                        ".jsonl, .json, .csv or .parquet file)")
     suffix = path.suffix.lower()
     try:
         if suffix == ".jsonl":
@@ -84,9 +87,28 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
                     from None
             if not isinstance(row, dict):
                 raise DataError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
+            if "\\u" in line:  # only an escape can make a lone surrogate
+                check_surrogates(row, f"{path} line {lineno}")
             row["__row__"] = f"line {lineno}"
             rows.append(row)
     return rows
+
+
+def check_surrogates(value: Any, where: str, key: str = "") -> None:
+    """Text holding half of a UTF-16 surrogate pair (`"\\ud83d"`: an emoji cut in two) is valid JSON but no
+    tokenizer takes it; name the row and key instead of failing in the tokenizer."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise DataError(f"{where}: `{key}` holds a lone UTF-16 surrogate ({value[exc.start]!r} at character "
+                            f"{exc.start + 1}), half of a character; repair or drop the row") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_surrogates(v, where, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_surrogates(v, where, f"{key}[{i}]")
 
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
@@ -101,24 +123,38 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
     for i, row in enumerate(data, 1):
         if not isinstance(row, dict):
             raise DataError(f"{path} row {i}: expected an object, got {type(row).__name__}")
+        check_surrogates(row, f"{path} row {i}")
         row["__row__"] = f"row {i}"
     return data
 
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
+    # strict: a quote left open to the end of the file, or closed with text after it, is an error (the lenient
+    # reader silently swallows the rows after it into one field); no field size limit (data.max_length is the limit)
+    csv.field_size_limit(sys.maxsize)
     rows = []
     with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f)
+        reader = csv.DictReader(f, strict=True)
         end = 1  # the header's line
-        for row in reader:
-            # a record may span lines (a quoted field with line breaks, or a stray quote that swallowed rows):
-            # name all of them, not only the line it ends on
-            start, end = end + 1, reader.line_num
-            where = f"line {end}" if start == end else f"lines {start}-{end}"
-            if None in row:
-                raise DataError(f"{path} {where}: more fields than the header has columns")
-            row["__row__"] = where
-            rows.append(row)
+        try:
+            names = reader.fieldnames or []
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise DataError(f"{path} line 1: column(s) {', '.join(map(repr, twice))} appear more than once in "
+                                "the header")
+            for row in reader:
+                # a record may span lines (a quoted field with line breaks, or a stray quote that swallowed rows):
+                # name all of them, not only the line it ends on
+                start, end = end + 1, reader.line_num
+                where = f"line {end}" if start == end else f"lines {start}-{end}"
+                if None in row:
+                    raise DataError(f"{path} {where}: more fields than the header has columns")
+                row["__row__"] = where
+                rows.append(row)
+        except csv.Error as exc:  # the reader's line count stops at the last good record: name where this began
+            raise DataError(f"{path}: the record that starts on line {end + 1} is not valid CSV ({exc}); a quote (\") "
+                            "that opens a field must close right before a comma or the line's end, and a quote inside "
+                            "a quoted field is written twice (\"\")") from None
     return rows
 
 
@@ -180,6 +216,8 @@ def to_messages(row: dict[str, Any], fmt: str, cfg: DataConfig) -> list[dict[str
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise ValueError(f"`{c.messages}`[{i}] must be {{role: system|user|assistant, content: text}}")
+        if m["role"] != "system" and not m["content"].strip():  # an empty answer teaches nothing and scores as a hit
+            raise ValueError(f"`{c.messages}`[{i}] ({m['role']}) must be non-empty text (got {m['content']!r})")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"`{c.messages}` has no assistant message to learn from")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -206,5 +244,13 @@ def normalize(rows: list[dict[str, Any]], cfg: DataConfig, where: str) -> tuple[
     if errors:
         shown = "; ".join(errors[:MAX_ROW_ERRORS])
         more = f" (and {len(errors) - MAX_ROW_ERRORS} more)" if len(errors) > MAX_ROW_ERRORS else ""
-        raise DataError(f"{where}: {len(errors)} malformed row(s): {shown}{more}")
+        guessed = cfg.format == "auto" and len(errors) * 2 > len(rows)  # most rows bad: perhaps the guess was wrong
+        detected = "" if not guessed else \
+            f" as {fmt} format (detected from the columns of {rows[0].get('__row__', 'row 1')}; set data.format)"
+        raise DataError(f"{where}: {len(errors)} malformed row(s){detected}: {shown}{more}")
     return fmt, out
+
+
+def row_names(rows: list[dict[str, Any]]) -> list[str]:
+    """Where each row is in its file ("line 7", "lines 7-9", "row 3"), in the order `normalize` returns them."""
+    return [row.get("__row__", f"row {i}") for i, row in enumerate(rows, 1)]

@@ -15,7 +15,7 @@ METRICS = ("exact_match", "contains")
 
 def score_answer(prediction: str, reference: str, metric: str) -> bool:
     p, r = prediction.strip(), reference.strip()
-    return p == r if metric == "exact_match" else r in p
+    return p == r if metric == "exact_match" else bool(r) and r in p  # '' is in every answer: no hit
 
 
 def rates(predictions: list[str], references: list[str]) -> dict[str, float]:

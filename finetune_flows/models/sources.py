@@ -278,3 +278,21 @@ def materialize_tokenizer(source: str, cache_root: Path, revision: str | None = 
                                           trust_remote_code=trust_remote_code).save_pretrained(out)
 
     return _materialized(_cache_entry("tokenizers", source, cache_root, revision), build)
+
+
+def tokenizer_without_download(source: str, cache_root: Path, revision: str | None = None,
+                               trust_remote_code: bool = False):
+    """The model's tokenizer, loaded, where it can be had without the Hub (for the checks before a run): a local,
+    built-in or generated model's (materialized as the flow would), a Hub model's from the local Hub cache; None
+    for a Hub model whose tokenizer that cache lacks (the flow fetches it)."""
+    from transformers import AutoTokenizer
+
+    hub = not source.startswith(("builtin:", "generated:")) and not Path(source).expanduser().exists()
+    if hub:
+        try:
+            return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code,
+                                                 local_files_only=True)
+        except (OSError, ValueError):  # not in the local Hub cache
+            return None
+    return AutoTokenizer.from_pretrained(materialize_tokenizer(source, cache_root, revision, trust_remote_code),
+                                         trust_remote_code=trust_remote_code)
