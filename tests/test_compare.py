@@ -45,6 +45,19 @@ def test_regressions_are_marked_and_noise_is_not(tmp_path):
     assert better["adapter: held-out loss"] == better["adapter: exact_match"] == "better"
 
 
+def test_runs_that_headline_different_metrics_are_compared_on_the_current_ones(tmp_path):
+    """The same answers, scored 0.0 by exact_match and 0.125 by contains: switching eval.metric is no change."""
+    before, after = summary(0.2, 0.0), summary(0.2, 0.125)
+    after["eval"]["metric"] = "contains"
+    for s in (before, after):
+        s["eval"]["rates"] = {m: {"exact_match": 0.0, "contains": 0.125} for m in ("base", "adapter")}
+    rows = {r["metric"]: r for r in comparison_rows(after, before)}
+    assert (rows["adapter: contains"]["previous"], rows["adapter: contains"]["verdict"]) == (0.125, "same")
+    del before["eval"]["rates"]  # a run without every metric: its headline is another one, so no figure
+    rows = {r["metric"]: r for r in comparison_rows(after, before)}
+    assert (rows["adapter: contains"]["previous"], rows["adapter: contains"]["verdict"]) == (None, "")
+
+
 def test_command_prints_the_table_and_refuses_what_is_not_a_run(tmp_path, capsys):
     make_run(tmp_path, "nightly", "20261129-013000", summary(0.2, 0.8))
     tonight = make_run(tmp_path, "nightly", "20261130-013000", summary(0.3, 0.7))

@@ -25,19 +25,28 @@ from finetune_flows.files import write_atomic
 
 STAMP = re.compile(r"-(\d{8}-\d{6})-[0-9a-f]+$")
 
-# (label, how to read it from summary.json, which way is better, the smallest change that counts: relative for
-# losses and speed, absolute for scores between 0 and 1)
+# (label, how to read it from summary.json given the current run's headline metric, which way is better, the smallest
+# change that counts: relative for losses and speed, absolute for scores between 0 and 1)
 METRICS: list[tuple[str, Any, str | None, float, bool]] = [
-    ("adapter: held-out loss", lambda s: s["eval"]["adapter"]["loss"], "lower", 0.01, True),
-    ("adapter: perplexity", lambda s: s["eval"]["adapter"]["perplexity"], "lower", 0.01, True),
-    ("adapter: {metric}", lambda s: s["eval"]["adapter"]["generation_score"], "higher", 0.005, False),
-    ("base: held-out loss", lambda s: s["eval"]["base"]["loss"], "lower", 0.01, True),
-    ("base: {metric}", lambda s: s["eval"]["base"]["generation_score"], "higher", 0.005, False),
-    ("training: final loss", lambda s: s["train"]["final_loss"], "lower", 0.01, True),
-    ("training: tokens/s", lambda s: s["train"]["tokens_per_second"], "higher", 0.05, True),
-    ("training: steps", lambda s: s["train"]["steps"], None, 0.0, False),
-    ("held-out rows", lambda s: s["eval"]["eval_rows"], None, 0.0, False),
+    ("adapter: held-out loss", lambda s, m: s["eval"]["adapter"]["loss"], "lower", 0.01, True),
+    ("adapter: perplexity", lambda s, m: s["eval"]["adapter"]["perplexity"], "lower", 0.01, True),
+    ("adapter: {metric}", lambda s, m: score(s, "adapter", m), "higher", 0.005, False),
+    ("base: held-out loss", lambda s, m: s["eval"]["base"]["loss"], "lower", 0.01, True),
+    ("base: {metric}", lambda s, m: score(s, "base", m), "higher", 0.005, False),
+    ("training: final loss", lambda s, m: s["train"]["final_loss"], "lower", 0.01, True),
+    ("training: tokens/s", lambda s, m: s["train"]["tokens_per_second"], "higher", 0.05, True),
+    ("training: steps", lambda s, m: s["train"]["steps"], None, 0.0, False),
+    ("held-out rows", lambda s, m: s["eval"]["eval_rows"], None, 0.0, False),
 ]
+
+def score(summary: dict, model: str, metric: str) -> float | None:
+    """A model's rate on `metric` (the current run's headline): from `rates`, which holds every metric, so two runs
+    whose eval.metric differs are compared on the same one; a run without it, only if it headlined that metric."""
+    rates = summary["eval"].get("rates") or {}
+    if metric in rates.get(model, {}):
+        return rates[model][metric]
+    return summary["eval"][model]["generation_score"] if summary["eval"].get("metric") == metric else None
+
 
 def run_name_of(run_dir: Path) -> str | None:
     try:
@@ -66,9 +75,9 @@ def previous_run(run_dir: Path) -> Path | None:
     return earlier[-1] if earlier else None
 
 
-def _value(summary: dict, read) -> float | None:
+def _value(summary: dict, read, metric: str) -> float | None:
     try:
-        value = read(summary)
+        value = read(summary, metric)
     except (KeyError, TypeError):
         return None
     return None if value is None else float(value)
@@ -87,7 +96,7 @@ def comparison_rows(current: dict, previous: dict) -> list[dict[str, Any]]:
     metric = current.get("eval", {}).get("metric", "score")
     rows = []
     for label, read, better, tolerance, relative in METRICS:
-        before, after = _value(previous, read), _value(current, read)
+        before, after = _value(previous, read, metric), _value(current, read, metric)
         if before is None and after is None:
             continue
         rows.append({"metric": label.format(metric=metric), "previous": before, "this run": after,
