@@ -147,3 +147,23 @@ def test_text_data_is_checked_on_its_held_out_rows(base, adapter, tmp_path):
                                                check_prompts=3))
     assert record.logit_error < 1e-4 and record.top1_agreement == 1.0
     assert (record.check_prompts, record.check_tokens) == (3, sum(map(len, ids[:3])))
+
+
+def test_a_runs_copy_of_the_checkpoint_shares_only_read_only_weights(tmp_path):
+    """transformers' save_pretrained rewrites a config or tokenizer file in place: were those hard links, editing one
+    run's merged/ would change every other run's and the cache's. Weights stay links (an 8B checkpoint is 16 GB),
+    read-only."""
+    from finetune_flows.export.merge import link_tree
+
+    cached = tmp_path / "cache-entry"
+    cached.mkdir()
+    (cached / "model.safetensors").write_bytes(b"weights")
+    (cached / "generation_config.json").write_text('{"do_sample": false}')
+    (cached / RECORD).write_text("{}")
+    link_tree(cached, tmp_path / "run-a")
+    link_tree(cached, tmp_path / "run-b")
+    (tmp_path / "run-a" / "generation_config.json").write_text('{"do_sample": true}')
+    assert (cached / "generation_config.json").read_text() == (tmp_path / "run-b" / "generation_config.json").read_text()
+    weights = tmp_path / "run-b" / "model.safetensors"
+    assert weights.samefile(cached / "model.safetensors") and weights.stat().st_mode & 0o222 == 0
+    assert not (tmp_path / "run-a" / RECORD).exists()

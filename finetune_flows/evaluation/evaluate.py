@@ -79,7 +79,8 @@ class EvalReport(BaseModel):
             for metric in METRICS if self.rates else (self.metric,):
                 value = self.rates[key].get(metric) if self.rates else s.generation_score
                 row[metric] = None if value is None else round(value, 4)
-            row.update({"examples generated": s.generated, "attention": self.attn_implementation})
+            row.update({"examples generated": s.generated, "attention": self.attn_implementation,
+                        "dtype": self.dtype})  # bf16 and fp32 answers can differ where two tokens nearly tie
             rows.append(row)
         return rows
 

@@ -273,15 +273,25 @@ def merge_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     return step_state(merged, reused, entry)
 
 
+WEIGHTS = (".safetensors", ".bin")
+
+
 def link_tree(source: Path, target: Path) -> None:
-    """A standalone copy that costs no space: hard links where the file system allows, copies elsewhere."""
+    """A run's copy of a cached checkpoint: the weights hard-linked (no space; made read-only, since a write into
+    a link would change every run's copy and the cache's), copied where the file system has no links; every other
+    file (config, tokenizer, generation settings: what users edit and transformers rewrites in place) copied."""
     target.mkdir(parents=True)
     for path in source.iterdir():
-        if path.is_file() and path.name not in (RECORD, MANIFEST):
+        if not path.is_file() or path.name in (RECORD, MANIFEST):
+            continue
+        if path.suffix in WEIGHTS:
+            path.chmod(0o444)
             try:
                 os.link(path, target / path.name)
+                continue
             except OSError:
-                shutil.copy2(path, target / path.name)
+                pass
+        shutil.copy2(path, target / path.name)
 
 
 if __name__ == "__main__":
