@@ -40,6 +40,10 @@ class DiskFull(NotRetryable):
     """No space left where a step writes; nothing written earlier is lost, and a rerun resumes."""
 
 
+class NotLogged(NotRetryable):
+    """A finished run that the tracking server did not take: the run directory holds everything."""
+
+
 class RepeatedFailure(NotRetryable):
     """The worker failed the same way twice with nothing changed in between (or nothing left to change)."""
 

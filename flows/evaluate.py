@@ -23,7 +23,8 @@ if QUIET_WHILE_LOADING:  # Ctrl-C while the libraries below load: exit at once, 
 from prefect import flow  # noqa: E402
 
 from finetune_flows.cli import quiet_tracebacks, run_cli  # noqa: E402
-from finetune_flows.config.preflight import check_adapter_fits, cli_preflight, preflight  # noqa: E402
+from finetune_flows.config.preflight import (check_adapter_fits, cli_preflight, preflight,  # noqa: E402
+                                             without_tracking)
 from finetune_flows.config.schema import FinetuneConfig, load_config  # noqa: E402
 from finetune_flows.evaluation.adapters import (  # noqa: E402
     EvaluationResult, check_evaluation_dir, create_eval_run_dir, eval_run_name, finish_evaluation, named_adapter,
@@ -55,8 +56,8 @@ def evaluate(adapter: str, config: FinetuneConfig | None = None) -> EvaluationRe
     check_adapter_path(adapter)  # the worker's policy first: nothing read or written
     target = check_evaluation_dir(adapter)  # adapter or merged checkpoint, before anything loads
     inventory = read_inventory()  # the run's one reading of the GPUs
-    cfg = pin_hub_revisions(preflight(config or load_config(allowed_config_file(training_config(target.path))),
-                                      inventory))
+    config = without_tracking(config or load_config(allowed_config_file(training_config(target.path))))
+    cfg = pin_hub_revisions(preflight(config, inventory))
     if target.kind == "adapter":
         check_adapter_fits(target.path, cfg)  # another model's config fails here, not after quantizing it
     run_dir = create_eval_run_dir(cfg)
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     def checked() -> FinetuneConfig:
         target = check_evaluation_dir(args.adapter)
-        cfg = cli_preflight(load_config(args.config or training_config(target.path), args.overrides))
+        cfg = cli_preflight(without_tracking(load_config(args.config or training_config(target.path), args.overrides)))
         if target.kind == "adapter":
             check_adapter_fits(target.path, cfg)
         return cfg

@@ -22,7 +22,7 @@ if QUIET_WHILE_LOADING:  # Ctrl-C while the libraries below load: exit at once, 
 from prefect import flow  # noqa: E402
 
 from finetune_flows.cli import quiet_tracebacks, run_cli  # noqa: E402
-from finetune_flows.config.preflight import check_adapter_fits, cli_preflight  # noqa: E402
+from finetune_flows.config.preflight import check_adapter_fits, cli_preflight, without_tracking  # noqa: E402
 from finetune_flows.config.schema import FinetuneConfig, check_config, load_config  # noqa: E402
 from finetune_flows.evaluation.adapters import check_adapter_dir, training_config, warn_if_other_base  # noqa: E402
 from finetune_flows.export.merge import ExportResult  # noqa: E402
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     # checked before a Prefect server starts; the run's temporary server and workers stop with it (run_cli)
     def checked() -> FinetuneConfig:
         adapter_dir = check_adapter_dir(args.adapter)
-        cfg = cli_preflight(load_config(args.config or training_config(adapter_dir), args.overrides))
+        cfg = cli_preflight(without_tracking(load_config(args.config or training_config(adapter_dir), args.overrides)))
         check_adapter_fits(adapter_dir, cfg)
         return cfg
 

@@ -111,6 +111,29 @@ def test_evaluate_refuses_a_directory_that_is_not_an_adapter(tmp_path, capsys):
     assert "not a PEFT adapter directory" in capsys.readouterr().err
 
 
+def test_truncated_weights_are_named_before_anything_loads(tmp_path):
+    """An interrupted copy of an adapter or a merged checkpoint: a SafetensorError traceback from the checks (adapter),
+    or the base evaluated first and then a crash, a retry and 15 tracebacks (merged)."""
+    from safetensors.torch import save_file
+    import torch
+
+    from finetune_flows.evaluation.adapters import AdapterError, check_adapter_dir, check_merged_dir
+
+    for kind, name in (("adapter", "adapter_model.safetensors"), ("merged", "model.safetensors")):
+        d = tmp_path / kind
+        d.mkdir()
+        for config in ("adapter_config.json", "config.json", "tokenizer_config.json"):
+            (d / config).write_text("{}")
+        save_file({"w": torch.ones(64, 64)}, str(d / name))
+        check = check_adapter_dir if kind == "adapter" else check_merged_dir
+        assert check(d) == d.resolve()
+        whole = (d / name).read_bytes()
+        (d / name).write_bytes(whole[:-100])
+        with pytest.raises(AdapterError, match=f"{name}: truncated or not a safetensors file \\({len(whole) - 100:,} "
+                                               "bytes\\); copy it again"):
+            check(d)
+
+
 def test_evaluate_refuses_a_directory_that_is_neither_adapter_nor_checkpoint(tmp_path):
     """One line, exit status 2, and neither torch nor transformers imported: nothing was loaded."""
     import subprocess
@@ -133,6 +156,9 @@ def test_evaluate_refuses_a_directory_that_is_neither_adapter_nor_checkpoint(tmp
     with pytest.raises(AdapterError, match=rf"{neither} is not a merged checkpoint: no model weights"):
         check_evaluation_dir(neither)
     (neither / "model.safetensors").write_bytes(b"")
+    with pytest.raises(AdapterError, match="model.safetensors: truncated or not a safetensors file \\(0 bytes\\)"):
+        check_evaluation_dir(neither)
+    (neither / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # a whole file holding no tensor
     assert check_evaluation_dir(neither).kind == "merged"
     with pytest.raises(AdapterError, match=rf"no such directory: {tmp_path / 'merged'} \(give the `adapter/` or "
                        "`merged/` directory"):  # `--merged runs/nope/merged` said "adapter directory not found"

@@ -386,3 +386,15 @@ def test_data_none_of_whose_rows_fit_max_length_is_said_before_any_server(tmp_pa
                "--set", f"data.eval_source={tmp_path / 'held.jsonl'}")
     assert_one_message_before_any_server(done, tmp_path, f"{tmp_path / 'held.jsonl'}: no evaluation example fits in "
                                          "data.max_length=64; raise data.max_length or shorten the prompts")
+
+
+def test_evaluate_and_export_runs_ignore_the_trainings_tracking_settings(tmp_path):
+    """They log to no tracker: an adapter trained with an MLflow server that is down now was refused by their checks."""
+    from deploy_support import free_port
+    from finetune_flows.config.preflight import without_tracking
+
+    cfg = load_config(None, ["model.source=generated:tiny-llama", f"run.cache_dir={tmp_path / 'c'}",
+                             f"run.output_dir={tmp_path / 'runs'}", f"tracking.mlflow_uri=http://127.0.0.1:{free_port()}"])
+    with pytest.raises(UserInputError, match="no MLflow server answers there"):
+        preflight(cfg)
+    assert preflight(without_tracking(cfg)).tracking.mlflow_uri is None

@@ -4,8 +4,10 @@ read back through MlflowClient; TensorBoard event files read back with TensorBoa
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,12 @@ import pytest
 from conftest import tiny_config
 from deploy_support import free_port, stop, wait_healthy
 from finetune_flows.config.schema import load_config
-from finetune_flows.errors import ConfigError
+from finetune_flows.config.plan import Plan
+from finetune_flows.errors import ConfigError, NotLogged
+from finetune_flows.reporting import tracking
 from finetune_flows.reporting.tracking import check_tracking
+
+PLAN = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa", eval_attn="sdpa")
 
 pytestmark = pytest.mark.slow
 
@@ -101,3 +107,41 @@ def test_tracking_problems_are_config_errors_before_anything_loads():
     with pytest.raises(ConfigError, match="`none` cannot be combined"):
         load_config(None, ["tracking.report_to=none,tensorboard"])
     assert load_config(None, ["tracking.report_to=none"]).tracking.report_to == []
+
+
+def test_a_store_mlflow_refuses_is_a_config_error_and_sqlite_is_not(tmp_path):
+    """MLflow 3 refuses file stores: found when the finished run was logged (three attempts, tracebacks, exit 1)."""
+    pytest.importorskip("mlflow")
+    with pytest.raises(ConfigError, match=r"tracking.mlflow_uri=file://.*: MLflow cannot use it \(The filesystem "):
+        check_tracking(load_config(None, [f"tracking.mlflow_uri=file://{tmp_path}/mlruns"]))
+    check_tracking(load_config(None, [f"tracking.mlflow_uri=sqlite:///{tmp_path}/mlflow.db"]))
+
+
+def test_a_server_gone_after_the_checks_costs_a_bounded_wait_and_one_message(tracked_run, monkeypatch):
+    """The run had waited about 13 minutes on MLflow's own retries, then printed 15 tracebacks."""
+    monkeypatch.setattr(tracking, "PAUSE_SECONDS", 1.0)
+    for key in tracking.CLIENT_LIMITS:
+        monkeypatch.delenv(key, raising=False)  # the limits apply where the user set none
+    uri = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(NotLogged, match=f"the run is complete in {tracked_run.run_dir}, but MLflow at {uri} did not "
+                                        "take it .*run the same command again once the server answers"):
+        tracking.log_to_mlflow(load_config(None, [f"tracking.mlflow_uri={uri}"]), PLAN, tracked_run)
+    assert time.monotonic() - start < 60
+
+
+def test_logging_again_replaces_a_half_logged_run_and_keeps_a_finished_one(tracked_run, mlflow_server, tmp_path):
+    from mlflow import MlflowClient
+
+    run_dir = tmp_path / tracked_run.run_dir.name
+    shutil.copytree(tracked_run.run_dir, run_dir)
+    result = tracked_run.model_copy(update={"run_dir": run_dir})
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name("finetune-flows-tests").experiment_id
+    half = client.create_run(experiment, run_name=run_dir.name, tags={"finetune-flows.run_dir": str(run_dir)})
+    cfg = load_config(None, [f"tracking.mlflow_uri={mlflow_server}", "tracking.mlflow_experiment=finetune-flows-tests"])
+    logged = tracking.log_to_mlflow(cfg, PLAN, result)
+    assert client.get_run(half.info.run_id).info.lifecycle_stage == "deleted"
+    assert tracking.log_to_mlflow(cfg, PLAN, result) == logged  # logged once: a further attempt finds it
+    runs = client.search_runs([experiment], filter_string=f"tags.`finetune-flows.run_dir` = '{run_dir}'")
+    assert [(r.info.run_id, r.info.status) for r in runs] == [(logged, "FINISHED")]

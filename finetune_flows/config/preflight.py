@@ -57,6 +57,12 @@ def cli_preflight(cfg: FinetuneConfig) -> FinetuneConfig:
     return cfg
 
 
+def without_tracking(cfg: FinetuneConfig) -> FinetuneConfig:
+    """The config of an evaluate or export run, which logs to no tracker: the training's tracking settings dropped,
+    so an MLflow server that is down does not stop it."""
+    return cfg.model_copy(update={"tracking": type(cfg.tracking)()})
+
+
 def _check(cfg: FinetuneConfig, inventory: list[GpuInfo] | None = None) -> FinetuneConfig:
     cfg = allowed_config(check_config(cfg))
     check_model_source(cfg.model.source, cfg.model.trust_remote_code)

@@ -51,6 +51,24 @@ class EvaluationResult(BaseModel):
     eval: EvalReport
 
 
+def check_safetensors(path: Path) -> None:
+    """A .safetensors file whose header parses and whose tensors end where the file ends (an interrupted copy is
+    shorter): read from the header alone, nothing loaded; AdapterError naming the file otherwise."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= size - 8:
+                raise ValueError("header length")
+            header = json.loads(f.read(length))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        if 8 + length + end != size:
+            raise ValueError("size")
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+        raise AdapterError(f"{path}: truncated or not a safetensors file ({size:,} bytes); copy it again from the "
+                           "run that made it") from None
+
+
 def check_adapter_dir(adapter: str | Path) -> Path:
     """The adapter directory, resolved; raise AdapterError naming what is missing (nothing is loaded)."""
     path = Path(adapter).expanduser()
@@ -72,6 +90,8 @@ def check_adapter_dir(adapter: str | Path) -> Path:
         json.loads((path / "adapter_config.json").read_text())
     except ValueError as exc:
         raise AdapterError(f"{path / 'adapter_config.json'} is not valid JSON: {exc}") from None
+    for weights in path.glob("*.safetensors"):
+        check_safetensors(weights)
     return path.resolve()
 
 
@@ -92,6 +112,8 @@ def check_merged_dir(path: Path) -> Path:
     if isinstance(config, dict) and "quantization_config" in config:
         raise AdapterError(f"{path} is a quantized checkpoint (quantization_config in config.json), not a merged "
                            f"one ({hint})")
+    for weights in path.glob("*.safetensors"):
+        check_safetensors(weights)
     return path.resolve()
 
 

@@ -7,19 +7,23 @@
   per step, the eval table and metrics, the plots and the adapter.
 
 Both are checked before anything loads: a missing package or an MLflow server that does not answer is a
-config error, not a failure after an hour of training.
+config error, not a failure after an hour of training. Only fine-tune runs are logged (evaluate and export runs
+ignore these settings). A server that goes away later costs the log step a bounded wait, then one message: the
+run is complete in its directory, and the same command logs it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
+import time
 import urllib.request
 from pathlib import Path
 
 from finetune_flows.config.schema import FinetuneConfig, dotted
 from finetune_flows.config.plan import Plan
-from finetune_flows.errors import ConfigError
+from finetune_flows.errors import ConfigError, NotLogged
 from finetune_flows.logs import run_logger
 
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",), "wandb": ("wandb",),
@@ -43,6 +47,14 @@ def tracking_problems(cfg: FinetuneConfig, timeout: float = 5.0) -> list[str]:
                     response.read()
             except OSError as exc:
                 problems.append(f"tracking.mlflow_uri={uri}: no MLflow server answers there ({exc})")
+        else:  # a store MLflow opens itself (sqlite:///runs.db); some it refuses (file stores, in MLflow 3)
+            try:
+                from mlflow import MlflowClient
+
+                MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+            except Exception as exc:
+                why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                problems.append(f"tracking.mlflow_uri={uri}: MLflow cannot use it ({why})")
     return problems
 
 
@@ -71,15 +83,52 @@ def _experiment_id(client, name: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
-def log_to_mlflow(cfg: FinetuneConfig, plan: Plan, result) -> str:
-    """Log a finished run (a FinetuneResult) to `tracking.mlflow_uri`; return the MLflow run id."""
-    import time
+# MLflow's own retries (7, backing off to minutes) and its 120 s request timeout made a server that went away
+# after the checks hold a finished run for about 13 minutes; these bound it (the user's own settings win)
+CLIENT_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+ATTEMPTS, PAUSE_SECONDS = 2, 5.0
 
+
+def log_to_mlflow(cfg: FinetuneConfig, plan: Plan, result, attempts: int = ATTEMPTS) -> str:
+    """Log a finished run (a FinetuneResult) to `tracking.mlflow_uri`; return the MLflow run id. A failure is
+    tried again once; then NotLogged, one message (the run itself is complete)."""
+    for key, value in CLIENT_LIMITS.items():
+        os.environ.setdefault(key, value)
+    for attempt in range(1, attempts + 1):
+        try:
+            return _log(cfg, plan, result)
+        except Exception as exc:
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
+            if attempt < attempts:
+                run_logger().warning("logging to MLflow failed (%s); trying again in %.0f s", why, PAUSE_SECONDS)
+                time.sleep(PAUSE_SECONDS)
+                continue
+            raise NotLogged(f"the run is complete in {result.run_dir}, but MLflow at {cfg.tracking.mlflow_uri} did not "
+                            f"take it ({why}); run the same command again once the server answers: every step is "
+                            "reused and the run is logged") from None
+    raise AssertionError("unreachable")
+
+
+def _earlier_attempts(client, experiment_id: str, run_dir: Path) -> tuple[str | None, list[str]]:
+    """(the id of a finished MLflow run of this run directory, the ids of unfinished ones an earlier attempt left)."""
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`finetune-flows.run_dir` = '{run_dir}'")
+    finished = next((r.info.run_id for r in runs if r.info.status == "FINISHED"), None)
+    return finished, [r.info.run_id for r in runs if r.info.status != "FINISHED"]
+
+
+def _log(cfg: FinetuneConfig, plan: Plan, result) -> str:
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param
 
     client = MlflowClient(tracking_uri=cfg.tracking.mlflow_uri)
     run_dir, train, report = Path(result.run_dir), result.train, result.eval
+    experiment_id = _experiment_id(client, cfg.tracking.mlflow_experiment)
+    finished, partial = _earlier_attempts(client, experiment_id, run_dir)
+    if finished:  # an earlier attempt got through before it failed
+        return finished
+    for run_id in partial:  # an earlier attempt's half-logged run: replaced, not duplicated
+        client.delete_run(run_id)
     tags = {"finetune-flows.run_dir": str(run_dir), "finetune-flows.model": cfg.model.source,
             "finetune-flows.cached_steps": ",".join(result.cached_steps) or "none"}
     try:
@@ -88,7 +137,7 @@ def log_to_mlflow(cfg: FinetuneConfig, plan: Plan, result) -> str:
         tags.update({"prefect.flow_run_id": str(flow_run.id), "prefect.deployment": str(deployment.name)})
     except Exception:  # outside a flow run
         pass
-    run = client.create_run(_experiment_id(client, cfg.tracking.mlflow_experiment), run_name=run_dir.name, tags=tags)
+    run = client.create_run(experiment_id, run_name=run_dir.name, tags=tags)
     run_id = run.info.run_id
     now = int(time.time() * 1000)
     settings = {**dotted(cfg.model_dump(mode="json")), **dotted(plan.model_dump(mode="json"), "plan.")}
