@@ -163,7 +163,8 @@ def test_a_runs_copy_of_the_checkpoint_shares_only_read_only_weights(tmp_path):
     link_tree(cached, tmp_path / "run-a")
     link_tree(cached, tmp_path / "run-b")
     (tmp_path / "run-a" / "generation_config.json").write_text('{"do_sample": true}')
-    assert (cached / "generation_config.json").read_text() == (tmp_path / "run-b" / "generation_config.json").read_text()
+    untouched = (cached / "generation_config.json").read_text()
+    assert untouched == (tmp_path / "run-b" / "generation_config.json").read_text() == '{"do_sample": false}'
     weights = tmp_path / "run-b" / "model.safetensors"
     assert weights.samefile(cached / "model.safetensors") and weights.stat().st_mode & 0o222 == 0
     assert not (tmp_path / "run-a" / RECORD).exists()

@@ -394,7 +394,8 @@ def test_evaluate_and_export_runs_ignore_the_trainings_tracking_settings(tmp_pat
     from finetune_flows.config.preflight import without_tracking
 
     cfg = load_config(None, ["model.source=generated:tiny-llama", f"run.cache_dir={tmp_path / 'c'}",
-                             f"run.output_dir={tmp_path / 'runs'}", f"tracking.mlflow_uri=http://127.0.0.1:{free_port()}"])
+                             f"run.output_dir={tmp_path / 'runs'}",
+                             f"tracking.mlflow_uri=http://127.0.0.1:{free_port()}"])
     with pytest.raises(UserInputError, match="no MLflow server answers there"):
         preflight(cfg)
     assert preflight(without_tracking(cfg)).tracking.mlflow_uri is None
