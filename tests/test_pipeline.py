@@ -103,6 +103,20 @@ def test_another_evaluation_backend_reevaluates_the_same_adapter_without_retrain
     assert same.cached_steps[-1] == "evaluate-adapter" and same.eval.path == result.eval.path
 
 
+def test_references_longer_than_the_answers_may_be_are_counted_and_explained(first_run, shared_cache):
+    """A reference longer than eval.max_new_tokens cannot match however good the answer: it was scored as a miss
+    without a word, and the explanation called it ability."""
+    from transformers import AutoTokenizer
+
+    result, runs = first_run
+    short = finetune(tiny_config(shared_cache / "pipeline", runs, **{"eval.max_new_tokens": 1}))
+    tokenizer = AutoTokenizer.from_pretrained(short.adapter_path)
+    lengths = [len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in short.eval.references]
+    assert short.eval.long_references == sum(n > 1 for n in lengths) > 0 and short.eval.max_new_tokens == 1
+    assert f"{short.eval.long_references} reference(s) are longer than eval.max_new_tokens=1 tokens" in \
+        short.eval.explanation
+
+
 def test_deleted_cache_outputs_are_rebuilt_not_trusted(first_run, shared_cache):
     import shutil
 
@@ -249,6 +263,25 @@ def test_export_flow_merges_an_existing_adapter(first_run, capsys):
     card = (merged / "README.md").read_text()
     assert f"| base + adapter | {result.eval.table()[1]['eval loss']} |" in card  # the adapter's run's eval table
     assert f"python flows/export.py --adapter {result.adapter_path}" in card
+
+
+def test_an_export_with_another_config_names_the_training_data_on_its_card(first_run, tmp_path, capsys):
+    """`export.py --adapter A --set data.source=B`: the card said the adapter was trained on B, and showed B's
+    config as the training's."""
+    from flows.export import main as export_main
+    from finetune_flows.data.demo import ticket_triage
+
+    result, runs = first_run
+    data = tmp_path / "other.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ticket_triage(60, seed=5)))
+    assert export_main(["--adapter", str(result.adapter_path), "--set", f"data.source={data}",
+                        "--set", "data.format=instruction"]) == 0
+    out = capsys.readouterr().out
+    card = (Path(out.split("model card: ")[1].split()[0])).read_text()
+    assert "- trained on `builtin:ticket-triage` (the training run's" in card
+    assert f"- the merge below was checked on held-out rows of `{data}` (this export's config)" in card
+    configuration = card.split("## Configuration")[1]
+    assert "source: builtin:ticket-triage" in configuration and "its `export` and `quantization` sections" in card
 
 
 def test_evaluate_flow_scores_the_merged_checkpoint_beside_base_and_adapter(first_run, capsys):

@@ -66,6 +66,8 @@ class EvalReport(BaseModel):
     held_out_removed: int = 0  # held-out rows dropped because their prompt is in training (exact or folded)
     held_out_note: str = ""  # how many were dropped and why (PreparedDataset.removed_note)
     explanation: str = ""  # what the base model's score means: format vs ability
+    long_references: int = 0  # references longer than max_new_tokens: cut answers that cannot match
+    max_new_tokens: int = 0
 
     def models(self) -> list[tuple[str, str, ModelScores]]:
         """(key, row name, scores) of each model this report scored, in table order."""
@@ -90,7 +92,8 @@ def with_metrics(report: EvalReport, data: PreparedDataset) -> EvalReport:
     scores = {key: rates(report.predictions.get(key, []), report.references) for key, _, _ in report.models()}
     tuned, name, _ = report.models()[1]  # the adapter's row where there is one, else the merged checkpoint's
     return report.model_copy(update={
-        "rates": scores if scores["base"] else {}, "explanation": explain(scores["base"], scores[tuned], name),
+        "rates": scores if scores["base"] else {},
+        "explanation": explain(scores["base"], scores[tuned], name, report.long_references, report.max_new_tokens),
         "held_out_removed": data.eval_removed_exact + data.eval_removed_normalized,
         "held_out_note": data.removed_note()})
 

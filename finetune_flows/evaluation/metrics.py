@@ -26,9 +26,11 @@ def rates(predictions: list[str], references: list[str]) -> dict[str, float]:
     return {m: sum(score_answer(p, r, m) for p, r in pairs) / len(pairs) for m in METRICS}
 
 
-def explain(base: dict[str, float], adapter: dict[str, float], name: str = "base + adapter") -> str:
+def explain(base: dict[str, float], adapter: dict[str, float], name: str = "base + adapter",
+            long_references: int = 0, max_new_tokens: int = 0) -> str:
     """One paragraph on what the base model's score means: format (right answer, other form) vs ability.
-    `name`: the fine-tuned model's row (base + adapter, or a merged checkpoint)."""
+    `name`: the fine-tuned model's row (base + adapter, or a merged checkpoint); `long_references`: how many
+    references are longer than the `max_new_tokens` an answer may have (those can never score)."""
     if not base:
         return "No generation metrics: the data has no prompts to answer (text format)."
     e, c = base["exact_match"], base["contains"]
@@ -40,4 +42,7 @@ def explain(base: dict[str, float], adapter: dict[str, float], name: str = "base
     if c < 1:
         text += (f"In {1 - c:.0%} the right answer does not appear in its output at all: that part is ability (or a "
                  "format far enough off that the answer never appears). ")
+    if long_references:
+        text += (f"{long_references} reference(s) are longer than eval.max_new_tokens={max_new_tokens} tokens: "
+                 "their answers are cut before they could match, for every model; raise eval.max_new_tokens. ")
     return text.strip()

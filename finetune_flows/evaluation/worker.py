@@ -235,6 +235,12 @@ def _evaluate(job: dict) -> dict:
     pairs = pairs[: cfg.eval.max_samples]
     prompts, references = [p["prompt"] for p in pairs], [p["reference"] for p in pairs]
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    long_references = sum(len(tokenizer(r.strip(), add_special_tokens=False)["input_ids"]) > cfg.eval.max_new_tokens
+                          for r in references)
+    if long_references:
+        print(f"warning: {long_references} of {len(references)} references are longer than eval.max_new_tokens="
+              f"{cfg.eval.max_new_tokens} tokens: those answers are cut before they can match; raise "
+              "eval.max_new_tokens", flush=True)
 
     scores, answers, kernelized, model = {}, {}, {}, None
     models = _models(job, cfg, base, plan, device, requested)
@@ -281,7 +287,8 @@ def _evaluate(job: dict) -> dict:
     out = Path(job["out"])
     report = dict(**scores, metric=cfg.eval.metric, engine=engine, dtype=dtype, kernelized=kernelized,
                   attn_implementation=attn, device=str(device), eval_rows=len(dataset), samples=samples,
-                  path=str(out), references=references, predictions=answers)
+                  path=str(out), references=references, predictions=answers, long_references=long_references,
+                  max_new_tokens=cfg.eval.max_new_tokens)
     write_json(out, report)
     return report
 

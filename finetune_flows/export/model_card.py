@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from finetune_flows.config.schema import FinetuneConfig
+import yaml
+
+from finetune_flows.config.schema import FinetuneConfig, load_config
 from finetune_flows.files import write_atomic
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.runtime.environment import EnvironmentReport
@@ -29,7 +31,12 @@ def _table(rows: list[dict]) -> list[str]:
 
 
 def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: QuantizedModel, data: PreparedDataset,
-                env: EnvironmentReport, eval_rows: list[dict], adapter: Path, config_file: Path) -> str:
+                env: EnvironmentReport, eval_rows: list[dict], adapter: Path, config_file: Path,
+                trained: FinetuneConfig | None = None) -> str:
+    """`trained`: the config of the run that trained the adapter, where this card is an export's with another
+    config (`flows/export.py --config`): the card's data and configuration are the training's, and the export's
+    own settings are listed apart."""
+    trained = trained or cfg
     q = cfg.quantization
     quantized = (f"{q.quant_type} 4-bit{' with double quantization' if q.double_quant else ''}, compute dtype "
                  f"{base.compute_dtype}" if base.load_in_4bit else f"not quantized ({base.compute_dtype})")
@@ -51,9 +58,12 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
         f"merged and the result saved in {merged.dtype}",
         f"- base fingerprint `{base.fingerprint}`; adapter: `{adapter}`", "",
         "## Data", "",
-        f"- `{cfg.data.source}` ({data.format} format): {data.train_rows} training rows, {data.eval_rows} held out, "
-        f"{data.train_tokens} training tokens",
-        f"- data fingerprint `{data.fingerprint}`", "",
+        *([f"- `{cfg.data.source}` ({data.format} format): {data.train_rows} training rows, {data.eval_rows} held "
+           f"out, {data.train_tokens} training tokens", f"- data fingerprint `{data.fingerprint}`"]
+          if trained.data.source == cfg.data.source else
+          [f"- trained on `{trained.data.source}` (the training run's `{config_file}`)",
+           f"- the merge below was checked on held-out rows of `{cfg.data.source}` (this export's config), data "
+           f"fingerprint `{data.fingerprint}`"]), "",
         "## Evaluation (held-out split, base vs base + adapter)", "", *_table(eval_rows), "",
         "## Merge check", "",
         f"The saved checkpoint, reloaded with plain `from_pretrained`, against base + adapter (4-bit) on "
@@ -68,8 +78,12 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
         "```", "",
         "## Versions", "", "| package | version |", "|---|---|", f"| python | {env.python} |",
         f"| torch | {env.torch} (CUDA {env.cuda_version}) |", *versions, "",
-        "## Configuration", "", "```yaml", cfg.to_yaml().rstrip(), "```", "",
+        "## Configuration", "", "```yaml", trained.to_yaml().rstrip(), "```", "",
     ]
+    if trained is not cfg:
+        lines += ["The export itself ran with another config; its `export` and `quantization` sections:", "",
+                  "```yaml", yaml.safe_dump({k: cfg.model_dump(mode="json")[k] for k in ("export", "quantization")},
+                                            sort_keys=False).rstrip(), "```", ""]
     return "\n".join(lines)
 
 
@@ -82,15 +96,27 @@ def place_merged(merged: MergedModel, run_dir: Path, cfg: FinetuneConfig, base: 
 
     target = run_dir / "merged"
     link_tree(merged.path, target)
+    trained = None
     if (adapter.parent / "config.resolved.yaml").is_file():  # flows/export.py: the adapter of an earlier run
         shipped_adapter, config_file = adapter, adapter.parent / "config.resolved.yaml"
+        trained = training_config_of(config_file, cfg)
     else:  # the fine-tune flow: its adapter is copied into the run directory at the end
         shipped_adapter, config_file = run_dir / "adapter", run_dir / "config.resolved.yaml"
     card = render_card(f"{run_dir.name}: merged model", merged.model_copy(update={"path": target}), cfg, base, data,
-                       env, eval_rows, shipped_adapter, config_file)
+                       env, eval_rows, shipped_adapter, config_file, trained)
     write_atomic(target / "README.md", card)
     create_markdown_artifact(card, key="merged-model", description="The merged checkpoint and its model card")
     return ExportResult(**{**merged.model_dump(), "path": target, "cache_path": merged.path})
+
+
+def training_config_of(config_file: Path, cfg: FinetuneConfig) -> FinetuneConfig | None:
+    """The config an earlier run trained the adapter with, where it differs from this export's (None where it is
+    the same, or unreadable: then the export's config is the card's)."""
+    try:
+        trained = load_config(config_file)
+    except Exception:  # a run directory from another version of the config: the card names what it can
+        return None
+    return None if trained.fingerprint() == cfg.fingerprint() else trained
 
 
 def create_export_run_dir(cfg: FinetuneConfig) -> Path:
