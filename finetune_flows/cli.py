@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import fcntl
 import functools
@@ -146,6 +147,17 @@ def _server_that_dies_with_us():
                 server_module.subprocess = real
 
     return ServerThatDiesWithUs()
+
+
+class Once(argparse.Action):
+    """An option given at most once: a second `--config` replaced the first without a word (one run per command)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = f"_{self.dest}_given"
+        if getattr(namespace, given, False):
+            parser.error(f"{option_string} given more than once: one run per command (run it once per {self.dest})")
+        setattr(namespace, given, True)
+        setattr(namespace, self.dest, values)
 
 
 def print_to_pipe(text: str) -> None:

@@ -22,7 +22,7 @@ if QUIET_WHILE_LOADING:  # Ctrl-C while the libraries below load: exit at once, 
 
 from prefect import flow  # noqa: E402
 
-from finetune_flows.cli import quiet_tracebacks, run_cli  # noqa: E402
+from finetune_flows.cli import Once, quiet_tracebacks, run_cli  # noqa: E402
 from finetune_flows.config.preflight import (check_adapter_fits, cli_preflight, preflight,  # noqa: E402
                                              without_tracking)
 from finetune_flows.config.schema import FinetuneConfig, load_config  # noqa: E402
@@ -86,9 +86,10 @@ def evaluate(adapter: str, config: FinetuneConfig | None = None) -> EvaluationRe
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--adapter", "--merged", dest="adapter", required=True, metavar="DIR",
+    parser.add_argument("--adapter", "--merged", action=Once, dest="adapter", required=True, metavar="DIR",
                         help="adapter directory (runs/<run>/adapter) or merged checkpoint (runs/<run>/merged)")
-    parser.add_argument("--config", help="run config YAML (default: the run's runs/<run>/config.resolved.yaml)")
+    parser.add_argument("--config", action=Once,
+                        help="run config YAML (default: the run's runs/<run>/config.resolved.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. eval.max_samples=200 (repeatable)")
     args = parser.parse_args(argv)

@@ -21,7 +21,7 @@ if QUIET_WHILE_LOADING:  # Ctrl-C while the libraries below load: exit at once, 
 
 from prefect import flow  # noqa: E402
 
-from finetune_flows.cli import quiet_tracebacks, run_cli  # noqa: E402
+from finetune_flows.cli import Once, quiet_tracebacks, run_cli  # noqa: E402
 from finetune_flows.config.preflight import check_adapter_fits, cli_preflight, without_tracking  # noqa: E402
 from finetune_flows.config.schema import FinetuneConfig, check_config, load_config  # noqa: E402
 from finetune_flows.evaluation.adapters import check_adapter_dir, training_config, warn_if_other_base  # noqa: E402
@@ -74,8 +74,10 @@ def show(result: ExportResult) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--adapter", required=True, help="adapter directory (runs/<run>/adapter of a fine-tune run)")
-    parser.add_argument("--config", help="run config YAML (default: the adapter's runs/<run>/config.resolved.yaml)")
+    parser.add_argument("--adapter", action=Once, required=True,
+                        help="adapter directory (runs/<run>/adapter of a fine-tune run)")
+    parser.add_argument("--config", action=Once,
+                        help="run config YAML (default: the adapter's runs/<run>/config.resolved.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. export.dtype=float16 (repeatable)")
     args = parser.parse_args(argv)

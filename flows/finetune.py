@@ -25,7 +25,7 @@ if QUIET_WHILE_LOADING:  # Ctrl-C while the libraries below load: exit at once, 
 from prefect import flow  # noqa: E402
 from prefect.tasks import exponential_backoff  # noqa: E402
 
-from finetune_flows.cli import print_to_pipe, quiet_tracebacks, run_cli  # noqa: E402
+from finetune_flows.cli import Once, print_to_pipe, quiet_tracebacks, run_cli  # noqa: E402
 from finetune_flows.config.parameters import run_parameters  # noqa: E402
 from finetune_flows.config.preflight import cli_preflight, preflight  # noqa: E402
 from finetune_flows.config.schema import FinetuneConfig, config_reference, load_config  # noqa: E402
@@ -90,7 +90,7 @@ def retrying_trainer(cfg: FinetuneConfig):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="run config YAML (default: %(default)s)")
+    parser.add_argument("--config", action=Once, default=DEFAULT_CONFIG, help="run config YAML (default: %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. train.max_steps=50 (repeatable)")
     parser.add_argument("--help-config", action="store_true", help="print every config key with its doc and exit")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -399,3 +400,39 @@ def test_evaluate_and_export_runs_ignore_the_trainings_tracking_settings(tmp_pat
     with pytest.raises(UserInputError, match="no MLflow server answers there"):
         preflight(cfg)
     assert preflight(without_tracking(cfg)).tracking.mlflow_uri is None
+
+
+def test_a_ray_head_nothing_answers_at_is_said_before_anything_loads(monkeypatch):
+    """ray.init retried such an address for good, after the dataset and the 4-bit base were made."""
+    from deploy_support import free_port
+    from finetune_flows.errors import EnvironmentMismatch
+    from finetune_flows.runtime.ray_cluster import cluster_fits, ray_problems
+
+    pytest.importorskip("ray")
+    port = free_port()
+    cfg = load_config(None, ["hardware.launcher=ray", f"hardware.ray_address=127.0.0.1:{port}"])
+    (problem,) = ray_problems(cfg)
+    assert problem.startswith(f"hardware.ray_address=127.0.0.1:{port}: no Ray head answers at 127.0.0.1:{port} (")
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")  # `auto`: the cluster this host joined, as Ray finds it
+    (problem,) = ray_problems(load_config(None, ["hardware.launcher=ray"]))
+    assert re.match(rf"hardware.ray_address=auto: no Ray head answers at [\d.]+:{port} \(", problem), problem
+    assert ray_problems(load_config(None, [])) == []  # torchrun: no Ray
+    with pytest.raises(EnvironmentMismatch, match=r"= 4 training workers, one GPU each, but the Ray cluster at "
+                                                  r"head:6379 has 2 GPU\(s\) in all"):
+        cluster_fits(4, {"CPU": 64.0, "GPU": 2.0}, True, "head:6379")
+    cluster_fits(2, {"CPU": 2.0}, False, "head:6379")
+
+
+@pytest.mark.parametrize("flow, args", [
+    ("finetune", ["--config", "configs/demo.yaml", "--config", "configs/nightly.yaml"]),
+    ("export", ["--adapter", "a", "--config", "x.yaml", "--adapter", "b"]),
+    ("evaluate", ["--merged", "a", "--adapter", "b"])])
+def test_a_second_config_or_adapter_is_refused_not_silently_used(flow, args, capsys):
+    """`--config a.yaml --config b.yaml` ran b alone, without a word: there is one run per command."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"flows.{flow}").main(args)
+    assert exit_.value.code == 2
+    dest = "config" if flow == "finetune" else "adapter"
+    assert f"--{dest} given more than once: one run per command (run it once per {dest})" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,19 @@ def test_ray_train_on_two_nodes_matches_two_rank_torchrun(two_rank_reference, ra
     assert "2 node(s)" in log and '"kind": "train_log"' in log  # the workers' progress reached the driver
     assert {"train-progress", "train-loss", "run-summary"} <= latest_artifact_keys()
     assert result.eval.adapter.generated == 8  # the adapter from Ray evaluates like any other
+
+
+@pytest.mark.timeout(600)
+def test_more_workers_than_the_cluster_has_is_one_message_not_a_wait(ray_cluster, shared_cache, tmp_path):
+    """Ray Train waited for good for workers a cluster cannot place, holding the run's device slot."""
+    from finetune_flows.errors import UserInputError
+
+    cfg = load_config(None, ray_overrides(shared_cache / "scale", tmp_path, ray_cluster, **{"hardware.nodes": 3}))
+    start = time.monotonic()
+    with pytest.raises(UserInputError, match=r"hardware.nodes x hardware.gpus_per_node = 3 training workers, one CPU "
+                                             rf"each, but the Ray cluster at {ray_cluster.address} has 2 CPU\(s\)"):
+        finetune(cfg)
+    assert time.monotonic() - start < 300
 
 
 @pytest.mark.timeout(1500)

@@ -30,6 +30,7 @@ from finetune_flows.models.sources import check_model_source, model_config, toke
 from finetune_flows.packages import installed_version
 from finetune_flows.store.fingerprint import uncached_hub_sources
 from finetune_flows.runtime.policy import allowed_config
+from finetune_flows.runtime.ray_cluster import ray_problems
 from finetune_flows.reporting.tracking import tracking_problems
 from finetune_flows.runtime.environment import PROBE_DIR_ENV, cpu_half_precision_problems, hub_reachable, probe_dir
 
@@ -71,7 +72,7 @@ def _check(cfg: FinetuneConfig, inventory: list[GpuInfo] | None = None) -> Finet
     check_directories(cfg)
     check_tokens(cfg, examples, splits)
     problems = (optimizer_problems(cfg) + machine_problems(cfg, inventory) + tracking_problems(cfg)
-                + hub_problems(cfg))
+                + hub_problems(cfg) + ray_problems(cfg))
     if problems:
         raise EnvironmentMismatch(problems, "config vs this machine")
     return cfg

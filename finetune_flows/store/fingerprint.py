@@ -67,7 +67,7 @@ PLUMBING_CODE = frozenset({
     "runtime/environment", "runtime/forkserver", "runtime/gpus", "runtime/launcher", "runtime/lifecycle",
     "runtime/policy", "runtime/processes", "store/entries", "store/fingerprint", "training/attempts",
     "training/checkpoints", "training/clock", "training/profiling", "config/preflight", "config/schema",
-    "config/plan", "training/planner", "training/sharding", "models/backends",
+    "config/plan", "training/planner", "training/sharding", "models/backends", "runtime/ray_cluster",
 })
 # Per step, imported code whose effect reaches the key through an input's fingerprint (the dataset's, the base
 # model's, the adapter's files), or that the step uses for something else than its output.
