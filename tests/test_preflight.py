@@ -436,3 +436,16 @@ def test_a_second_config_or_adapter_is_refused_not_silently_used(flow, args, cap
     assert exit_.value.code == 2
     dest = "config" if flow == "finetune" else "adapter"
     assert f"--{dest} given more than once: one run per command (run it once per {dest})" in capsys.readouterr().err
+
+
+def test_a_local_model_whose_tokenizer_cannot_load_is_one_message_before_any_server(tmp_path, shared_cache):
+    import shutil
+
+    from finetune_flows.models.sources import materialize_model
+
+    model = tmp_path / "model"
+    shutil.copytree(materialize_model("generated:tiny-llama", shared_cache), model)
+    (model / "tokenizer.json").write_text('{"truncated": ')
+    done = cli(tmp_path, "--set", f"model.source={model}")
+    assert_one_message_before_any_server(done, tmp_path, f"model.source={model}: its tokenizer cannot be loaded "
+                                         "(JSONDecodeError: ")

@@ -292,7 +292,14 @@ def tokenizer_without_download(source: str, cache_root: Path, revision: str | No
         try:
             return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code,
                                                  local_files_only=True)
-        except (OSError, ValueError):  # not in the local Hub cache
+        except Exception:  # not in the local Hub cache (or not whole there): the flow fetches it
             return None
-    return AutoTokenizer.from_pretrained(materialize_tokenizer(source, cache_root, revision, trust_remote_code),
-                                         trust_remote_code=trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(materialize_tokenizer(source, cache_root, revision, trust_remote_code),
+                                             trust_remote_code=trust_remote_code)
+    except ModelSourceError:
+        raise
+    except Exception as exc:  # what the dataset step would have met, after a server had started
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelSourceError(f"model.source={source}: its tokenizer cannot be loaded ({type(exc).__name__}: "
+                               f"{why})") from None
