@@ -146,8 +146,9 @@ def test_an_adapter_named_by_a_merged_checkpoints_card_is_read_only_inside_the_r
 
     for where in (host / "outside" / "adapter", host / "runs" / "some-run" / "adapter"):
         where.mkdir(parents=True)
-        for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"):
+        for name in ("adapter_config.json", "tokenizer_config.json"):
             (where / name).write_text("{}")
+        (where / "adapter_model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # whole, no tensor
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
