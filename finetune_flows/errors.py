@@ -6,6 +6,12 @@ flaky disk) may be retried, and a training retry resumes from the last checkpoin
 """
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message for a one-line report: its first line, or its type where it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class NotRetryable(Exception):
     """A retry cannot succeed until someone changes something: reported as one message."""
 

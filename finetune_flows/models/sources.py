@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from finetune_flows.errors import ModelSourceError
-from finetune_flows.store.fingerprint import code_version, combine, hash_bytes_of
+from finetune_flows.errors import ModelSourceError, first_line
+from finetune_flows.store.fingerprint import code_version, combine, hash_bytes_of, is_hub_model
 from finetune_flows.store.entries import Entry, reuse_or_produce
 from finetune_flows.data.demo import corpus_for_tokenizer
 
@@ -287,8 +287,7 @@ def tokenizer_without_download(source: str, cache_root: Path, revision: str | No
     for a Hub model whose tokenizer that cache lacks (the flow fetches it)."""
     from transformers import AutoTokenizer
 
-    hub = not source.startswith(("builtin:", "generated:")) and not Path(source).expanduser().exists()
-    if hub:
+    if is_hub_model(source):
         try:
             return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code,
                                                  local_files_only=True)
@@ -300,6 +299,5 @@ def tokenizer_without_download(source: str, cache_root: Path, revision: str | No
     except ModelSourceError:
         raise
     except Exception as exc:  # what the dataset step would have met, after a server had started
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ModelSourceError(f"model.source={source}: its tokenizer cannot be loaded ({type(exc).__name__}: "
-                               f"{why})") from None
+                               f"{first_line(exc)})") from None

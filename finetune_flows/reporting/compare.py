@@ -39,6 +39,7 @@ METRICS: list[tuple[str, Any, str | None, float, bool]] = [
     ("held-out rows", lambda s, m: s["eval"]["eval_rows"], None, 0.0, False),
 ]
 
+
 def score(summary: dict, model: str, metric: str) -> float | None:
     """A model's rate on `metric` (the current run's headline): from `rates`, which holds every metric, so two runs
     whose eval.metric differs are compared on the same one; a run without it, only if it headlined that metric."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from finetune_flows.config.schema import FinetuneConfig, dotted
 from finetune_flows.config.plan import Plan
-from finetune_flows.errors import ConfigError, NotLogged
+from finetune_flows.errors import ConfigError, NotLogged, first_line
 from finetune_flows.logs import run_logger
 
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",), "wandb": ("wandb",),
@@ -53,8 +53,7 @@ def tracking_problems(cfg: FinetuneConfig, timeout: float = 5.0) -> list[str]:
 
                 MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
             except Exception as exc:
-                why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                problems.append(f"tracking.mlflow_uri={uri}: MLflow cannot use it ({why})")
+                problems.append(f"tracking.mlflow_uri={uri}: MLflow cannot use it ({first_line(exc)})")
     return problems
 
 
@@ -95,19 +94,19 @@ def log_to_mlflow(cfg: FinetuneConfig, plan: Plan, result, attempts: int = ATTEM
     tried again once; then NotLogged, one message (the run itself is complete)."""
     for key, value in CLIENT_LIMITS.items():
         os.environ.setdefault(key, value)
-    for attempt in range(1, attempts + 1):
+    for _ in range(attempts - 1):
         try:
             return _log(cfg, plan, result)
         except Exception as exc:
-            why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
-            if attempt < attempts:
-                run_logger().warning("logging to MLflow failed (%s); trying again in %.0f s", why, PAUSE_SECONDS)
-                time.sleep(PAUSE_SECONDS)
-                continue
-            raise NotLogged(f"the run is complete in {result.run_dir}, but MLflow at {cfg.tracking.mlflow_uri} did not "
-                            f"take it ({why}); run the same command again once the server answers: every step is "
-                            "reused and the run is logged") from None
-    raise AssertionError("unreachable")
+            run_logger().warning("logging to MLflow failed (%s); trying again in %.0f s", first_line(exc)[:300],
+                                 PAUSE_SECONDS)
+            time.sleep(PAUSE_SECONDS)
+    try:
+        return _log(cfg, plan, result)
+    except Exception as exc:
+        raise NotLogged(f"the run is complete in {result.run_dir}, but MLflow at {cfg.tracking.mlflow_uri} did not "
+                        f"take it ({first_line(exc)[:300]}); run the same command again once the server answers: "
+                        "every step is reused and the run is logged") from None
 
 
 def _earlier_attempts(client, experiment_id: str, run_dir: Path) -> tuple[str | None, list[str]]:

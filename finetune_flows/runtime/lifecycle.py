@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from finetune_flows.errors import UserInputError
+from finetune_flows.errors import UserInputError, first_line
 from finetune_flows.files import write_json
 from finetune_flows.runtime.processes import ProcessId, ancestors, remove_record_if_mine, write_record
 
@@ -455,7 +455,7 @@ def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
             raise
         if kind in ("oom", "disk_full"):
             traceback.print_exc()  # for the log file; the task reports one line
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = first_line(exc)
         if kind == "disk_full" and "space" not in message:  # e.g. torch.save's "unexpected pos": say what it was
             message = f"{type(exc).__name__} while writing: {message}"
         report_failure(workdir, step, kind, str(exc) if kind == "user_error" else message,

@@ -149,12 +149,17 @@ def cached_hub_commit(repo_id: str, revision: str | None, repo_type: str) -> str
     return ref.read_text().strip() if ref.is_file() else None
 
 
+def is_hub_model(source: str) -> bool:
+    """A model.source that names a Hub repository: no built-in or generated model, no existing path."""
+    return not source.startswith(("builtin:", "generated:")) and not Path(source).expanduser().exists()
+
+
 def uncached_hub_sources(cfg) -> list[tuple[str, str, str, str | None, str]]:
     """The run's Hub sources the local Hub cache does not hold, as (key, source, repo id, revision, repo type): a
     model.source that is no built-in, generated model or existing path, and each `hub:` data source."""
     wanted = []
     src = cfg.model.source
-    if not src.startswith(("builtin:", "generated:")) and not Path(src).expanduser().exists():
+    if is_hub_model(src):
         wanted.append(("model.source", src, src, cfg.model.revision, "model"))
     for key, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source)):
         if source and source.startswith("hub:"):

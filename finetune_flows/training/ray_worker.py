@@ -60,26 +60,21 @@ def run_on_ray(job: dict) -> dict:
     on_gpu = plan.device == "cuda"
     ray.init(address=cfg.hardware.ray_address, log_to_driver=True,
              runtime_env={"env_vars": forwarded_env(dict(os.environ))})
-    workers = world_size(cfg, plan)
-    resources = ray.cluster_resources()
-    print(f"Ray cluster at {cfg.hardware.ray_address}: {len(ray.nodes())} node(s), "
-          f"{resources.get('GPU', 0):g} GPU(s), {resources.get('CPU', 0):g} CPU(s); starting {workers} "
-          f"{'GPU' if on_gpu else 'CPU'} worker(s)", flush=True)
     try:
+        workers = world_size(cfg, plan)
+        resources = ray.cluster_resources()
+        print(f"Ray cluster at {cfg.hardware.ray_address}: {len(ray.nodes())} node(s), "
+              f"{resources.get('GPU', 0):g} GPU(s), {resources.get('CPU', 0):g} CPU(s); starting {workers} "
+              f"{'GPU' if on_gpu else 'CPU'} worker(s)", flush=True)
         cluster_fits(workers, resources, on_gpu, cfg.hardware.ray_address)
-    except Exception:
-        ray.shutdown()
-        raise
-    trainer = TorchTrainer(
-        train_loop_per_worker, train_loop_config=job,
-        torch_config=TorchConfig(backend="nccl" if on_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=on_gpu),
-        run_config=RunConfig(name=RAY_RUN_NAME, storage_path=str(out / "ray"),
-                             failure_config=FailureConfig(max_failures=0),
-                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.save_total_limit)),
-    )
-    try:
-        trainer.fit()
+        TorchTrainer(
+            train_loop_per_worker, train_loop_config=job,
+            torch_config=TorchConfig(backend="nccl" if on_gpu else "gloo"),
+            scaling_config=ScalingConfig(num_workers=workers, use_gpu=on_gpu),
+            run_config=RunConfig(name=RAY_RUN_NAME, storage_path=str(out / "ray"),
+                                 failure_config=FailureConfig(max_failures=0),
+                                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.save_total_limit)),
+        ).fit()
     finally:
         ray.shutdown()
     return json.loads((out / "train_metrics.json").read_text())
