@@ -150,7 +150,7 @@ def _server_that_dies_with_us():
 
 
 class Once(argparse.Action):
-    """An option given at most once: a second `--config` replaced the first without a word (one run per command)."""
+    """An option given at most once (argparse would keep the last of a repeated `--config`: one run per command)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         given = f"_{self.dest}_given"

@@ -82,8 +82,8 @@ def _experiment_id(client, name: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
-# MLflow's own retries (7, backing off to minutes) and its 120 s request timeout made a server that went away
-# after the checks hold a finished run for about 13 minutes; these bound it (the user's own settings win)
+# MLflow's defaults (7 retries backing off to minutes, 120 s requests) would hold a finished run for many minutes
+# once its server is gone; these bound the wait (the user's own settings win)
 CLIENT_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 ATTEMPTS, PAUSE_SECONDS = 2, 5.0

@@ -1,8 +1,8 @@
 """`hardware.launcher: ray`: the cluster checked before a run and before Ray Train starts its workers.
 
-A Ray address nothing answers at made `ray.init` retry for good (holding the run's device slot), and a cluster with
-fewer CPUs or GPUs than the run's workers made Ray Train wait for them for good: both are one message instead, the
-first before anything loads.
+`ray.init` retries an address nothing answers at for good (the run holding its device slot), and Ray Train waits for
+good for workers a cluster has no CPUs or GPUs for: both are one message here instead, the first before anything
+loads.
 """
 
 from __future__ import annotations
