@@ -8,9 +8,11 @@ adapter computes.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from eval_support import tiny_quantized
 from finetune_flows.config.schema import load_config
@@ -168,3 +170,36 @@ def test_a_runs_copy_of_the_checkpoint_shares_only_read_only_weights(tmp_path):
     weights = tmp_path / "run-b" / "model.safetensors"
     assert weights.samefile(cached / "model.safetensors") and weights.stat().st_mode & 0o222 == 0
     assert not (tmp_path / "run-a" / RECORD).exists()
+
+
+class Placed(BaseModel):
+    path: Path
+
+
+def test_linking_the_weights_into_runs_does_not_make_the_next_reuse_hash_them_again(tmp_path, monkeypatch):
+    """A hard link and a chmod set the weights' ctime, which the store's record of verified files holds: every run
+    that placed the merged checkpoint made the next reuse of its entry re-hash the weights (16 GB for an 8B model).
+    A write into the weights is still found."""
+    import finetune_flows.store.entries as entries
+    from finetune_flows.export.merge import link_tree
+
+    entry = entries.Entry(tmp_path / "cache", "merged", "k")
+
+    def produce() -> Placed:
+        (entry.path / "model.safetensors").write_bytes(b"weights")
+        (entry.path / "config.json").write_text("{}")
+        return Placed(path=entry.path)
+
+    entries.reuse_or_produce(entry, Placed, produce, outputs=["."])
+    reads: list[str] = []
+    real = entries.file_digest
+    monkeypatch.setattr(entries, "file_digest", lambda p: reads.append(p.name) or real(p))
+    for run in ("run-a", "run-b"):
+        link_tree(entry.path, tmp_path / run)
+        assert entry.problem() is None and reads == []
+    weights = entry.path / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    weights.chmod(0o644)
+    weights.write_bytes(b"WEIGHTS")
+    os.utime(weights, ns=(mtime, mtime))
+    assert entry.problem() == "model.safetensors does not match its sha256 in the manifest"

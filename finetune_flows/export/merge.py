@@ -281,16 +281,24 @@ def link_tree(source: Path, target: Path) -> None:
     a link would change every run's copy and the cache's), copied where the file system has no links; every other
     file (config, tokenizer, generation settings: what users edit and transformers rewrites in place) copied."""
     target.mkdir(parents=True)
+    entry = Entry(source.parent.parent, source.parent.name, source.name)  # the link and chmod keep it verified
     for path in source.iterdir():
         if not path.is_file() or path.name in (RECORD, MANIFEST):
             continue
         if path.suffix in WEIGHTS:
-            path.chmod(0o444)
-            try:
-                os.link(path, target / path.name)
+            linked: list[bool] = []
+
+            def link(path: Path = path) -> None:
+                path.chmod(0o444)
+                try:
+                    os.link(path, target / path.name)
+                    linked.append(True)
+                except OSError:
+                    pass
+
+            entry.keep_verified(path.name, link)
+            if linked:
                 continue
-            except OSError:
-                pass
         shutil.copy2(path, target / path.name)
 
 
