@@ -64,6 +64,27 @@ def test_a_moved_cache_hands_back_paths_under_its_new_location(tmp_path):
     assert moved.load(Result).path == tmp_path / "moved" / "things" / "k1" / "sub" / "weights.bin"
 
 
+def test_an_adapter_evaluated_from_a_moved_cache_is_not_said_to_have_another_base(tmp_path, caplog):
+    """An adapter's config names its 4-bit base by path, in the cache that trained it; the same base (same key) in a
+    copied or moved cache is the same base, and another key still is another."""
+    from finetune_flows.evaluation.adapters import warn_if_other_base
+    from finetune_flows.models.quantize import QuantizedModel
+
+    (tmp_path / "adapter").mkdir()
+    trained_on = tmp_path / "old-cache" / "quantized" / "54049a1e"
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(trained_on)}))
+
+    def base(path: Path) -> QuantizedModel:
+        return QuantizedModel(path=path, fingerprint=path.name, load_in_4bit=True, compute_dtype="float32",
+                              memory_footprint_mb=1.0, linear4bit_layers=1, quantize_seconds=0.0)
+
+    with caplog.at_level(logging.WARNING):
+        warn_if_other_base(tmp_path / "adapter", base(tmp_path / "new-cache" / "quantized" / "54049a1e"))
+        assert "the adapter was trained on" not in caplog.text
+        warn_if_other_base(tmp_path / "adapter", base(tmp_path / "new-cache" / "quantized" / "ffffffff"))
+    assert "the adapter was trained on" in caplog.text
+
+
 @pytest.mark.parametrize("damage, reason", [
     (lambda e: e.manifest_path.write_text(e.manifest_path.read_text()[:40]), "manifest unreadable or truncated"),
     (lambda e: e.manifest_path.unlink(), "no manifest"),

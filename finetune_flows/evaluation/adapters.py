@@ -164,9 +164,16 @@ def training_config(evaluated: Path) -> Path:
     return found
 
 
+def same_base(trained_on: Path, base: Path) -> bool:
+    """The same path, or the same store entry (`quantized/<key>`, `models/<key>`: the key fingerprints the weights)
+    in another cache root: a copied or moved cache, another host's."""
+    return trained_on == base or (trained_on.name == base.name
+                                  and trained_on.parent.name == base.parent.name in ("quantized", "models"))
+
+
 def warn_if_other_base(adapter_dir: Path, base: QuantizedModel) -> None:
     trained_on = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if trained_on and Path(trained_on) != Path(base.path):
+    if trained_on and not same_base(Path(trained_on), Path(base.path)):
         run_logger().warning("the adapter was trained on %s, but this run's base model is %s: check that "
                              "model.source and quantization match the training run", trained_on, base.path)
 
