@@ -286,19 +286,15 @@ def link_tree(source: Path, target: Path) -> None:
         if not path.is_file() or path.name in (RECORD, MANIFEST):
             continue
         if path.suffix in WEIGHTS:
-            linked: list[bool] = []
-
             def link(path: Path = path) -> None:
                 path.chmod(0o444)
-                try:
-                    os.link(path, target / path.name)
-                    linked.append(True)
-                except OSError:
-                    pass
+                os.link(path, target / path.name)
 
-            entry.keep_verified(path.name, link)
-            if linked:
+            try:
+                entry.keep_verified(path.name, link)
                 continue
+            except OSError:
+                pass
         shutil.copy2(path, target / path.name)
 
 
