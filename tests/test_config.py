@@ -246,3 +246,11 @@ def test_the_default_config_is_found_when_the_flow_runs_from_another_directory(t
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"config": config_parameter(REPO / "configs/demo.yaml", [])}
+
+
+def test_an_empty_lora_target_list_is_refused_before_any_model_loads():
+    # before: accepted, then PEFT's NoMatchingPeftModuleError inside the training worker, retried as a crash
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["lora.target_modules=[]"])
+    assert info.value.problems == ["lora.target_modules: an empty list adapts no module: name the modules (e.g. "
+                                   "[q_proj, v_proj]) or use all-linear (got [])"]

@@ -120,6 +120,14 @@ class LoraConfig(Section):
         "all-linear", description="Modules that get adapters: `all-linear` or a list of module names."
     )
 
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str] | str) -> list[str] | str:
+        if v == []:  # PEFT refuses it only inside the training worker, once the model has loaded
+            raise ValueError("an empty list adapts no module: name the modules (e.g. [q_proj, v_proj]) or use "
+                             "all-linear")
+        return v
+
 
 class TrainConfig(Section):
     max_steps: int = Field(100, ge=-1, description="Optimizer steps; -1 trains for `epochs` instead.")
