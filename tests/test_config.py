@@ -254,3 +254,21 @@ def test_an_empty_lora_target_list_is_refused_before_any_model_loads():
         load_config(None, ["lora.target_modules=[]"])
     assert info.value.problems == ["lora.target_modules: an empty list adapts no module: name the modules (e.g. "
                                    "[q_proj, v_proj]) or use all-linear (got [])"]
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["train.epochs=3"], "train.epochs=3 with train.max_steps=100: epochs count only with train.max_steps=-1; set "
+     "that to train for the epochs, or drop train.epochs"),
+    (["train.packing=false", "train.micro_batch_tokens=2048"], "train.micro_batch_tokens with train.packing=false: "
+     "padded batches hold train.per_device_batch_size rows; drop one of the two"),
+])
+def test_a_training_setting_that_would_be_ignored_is_refused(overrides, problem):
+    # before: accepted, and the run trained 100 steps / padded batches of 8 rows as if the key were not there
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert info.value.problems == [problem]
+
+
+def test_epochs_with_max_steps_minus_one_and_default_epochs_with_steps_are_accepted():
+    assert load_config(None, ["train.max_steps=-1", "train.epochs=3"]).train.epochs == 3
+    assert load_config(None, ["train.max_steps=20", "train.epochs=1"]).train.max_steps == 20

@@ -605,6 +605,12 @@ def consistency_problems(cfg: FinetuneConfig) -> list[str]:
     if t.loss_chunk_tokens not in (None, "auto") and t.liger_kernel is False:
         problems.append("train.loss_chunk_tokens with train.liger_kernel=false: the chunks are those of Liger's fused "
                         "loss")
+    if t.max_steps != -1 and t.epochs != TrainConfig.model_fields["epochs"].default:
+        problems.append(f"train.epochs={t.epochs:g} with train.max_steps={t.max_steps}: epochs count only with "
+                        "train.max_steps=-1; set that to train for the epochs, or drop train.epochs")
+    if t.micro_batch_tokens is not None and not t.packing:
+        problems.append("train.micro_batch_tokens with train.packing=false: padded batches hold "
+                        "train.per_device_batch_size rows; drop one of the two")
     if t.cuda_graphs is True:
         conflicts = [f"train.{key}=false" for key in ("packing", "compile") if getattr(t, key) is False]
         if conflicts:
