@@ -69,6 +69,12 @@ def test_a_row_longer_than_any_micro_batch_that_fits_is_a_clear_error():
         plan("qwen3-8b", 12 * 1024, checkpointing=False, max_row=32768)
 
 
+def test_a_configured_micro_batch_shorter_than_the_longest_row_names_the_key():
+    with pytest.raises(ValueError, match=r"one micro-batch of train.micro_batch_tokens=16: set at least 83, or lower "
+                       r"data.max_length"):
+        plan("qwen3-0.6b", None, micro_batch_tokens=16, max_row=83)
+
+
 def test_upcast_and_unfused_loss_cost_the_memory_measured_on_an_h200():
     """Measured (benchmarks/results/train-bench-2xGPU-20261130-185446): 10,146-token micro-batches of the Qwen3-0.6B
     shape peaked at 28.9 GiB reserved with PEFT's fp32 upcast and 14.4 GiB without; the model must see that gap."""

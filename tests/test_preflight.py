@@ -449,3 +449,19 @@ def test_a_local_model_whose_tokenizer_cannot_load_is_one_message_before_any_ser
     done = cli(tmp_path, "--set", f"model.source={model}")
     assert_one_message_before_any_server(done, tmp_path, f"model.source={model}: its tokenizer cannot be loaded "
                                          "(JSONDecodeError: ")
+
+
+def test_a_micro_batch_smaller_than_the_longest_row_is_said_before_any_server(tmp_path):
+    """train.micro_batch_tokens below the longest training row was refused by the training plan only, after the base
+    had been quantized, with advice (checkpointing, more memory) that does not help."""
+    rows = [{"prompt": f"Question {i}? " + "more words " * (i % 5), "response": str(i)} for i in range(20)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = cli(tmp_path, "--set", f"data.source={tmp_path / 'train.jsonl'}", "--set", "train.micro_batch_tokens=16")
+    assert_one_message_before_any_server(done, tmp_path, "train.micro_batch_tokens=16 is less than the longest "
+                                         "training row (")
+    assert re.search(r"row \((\d+) tokens, data.max_length=256\): a packed micro-batch holds whole rows; set at "
+                     r"least \1, or lower data.max_length", done.stderr), done.stderr
+    longest = int(re.search(r"row \((\d+) tokens", done.stderr).group(1))
+    preflight(load_config(None, ["model.source=generated:tiny-llama", f"run.cache_dir={tmp_path / 'c'}",
+                                 f"run.output_dir={tmp_path / 'runs'}", f"data.source={tmp_path / 'train.jsonl'}",
+                                 "data.max_length=256", f"train.micro_batch_tokens={longest}"]))  # the longest: fits

@@ -127,12 +127,23 @@ def check_tokens(cfg: FinetuneConfig, examples: dict[str, tuple[list, list[str]]
                                            cfg.model.trust_remote_code)
     if tokenizer is None:
         return
-    fits: set[int] | None = set()
+    fits: dict[int, int] | None = {}
     for source, (normalized, names) in examples.items():
         fit = check_rows_tokenize(tokenizer, normalized, names, source, cfg.data)
         fits = None if fits is None or fit is None else fits | fit
     if fits is not None and splits is not None:
         check_split_fits(cfg.data, *splits, fits)
+        check_micro_batch_holds_a_row(cfg, max(fits.get(id(ex), 0) for ex in splits[0]))
+
+
+def check_micro_batch_holds_a_row(cfg: FinetuneConfig, longest: int) -> None:
+    """A packed micro-batch of train.micro_batch_tokens must hold the longest training row (`longest` tokens): the
+    training plan refuses it otherwise, once the base is quantized."""
+    tokens = cfg.train.micro_batch_tokens
+    if cfg.train.packing and tokens is not None and tokens < longest:
+        raise ConfigError([f"train.micro_batch_tokens={tokens} is less than the longest training row ({longest} "
+                           f"tokens, data.max_length={cfg.data.max_length}): a packed micro-batch holds whole rows; "
+                           f"set at least {longest}, or lower data.max_length"], "config vs data")
 
 
 def hub_problems(cfg: FinetuneConfig) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -131,19 +132,20 @@ def encode_row(tokenizer, example: list[dict[str, str]] | str, max_length: int, 
 
 
 def check_rows_tokenize(tokenizer, examples: list, names: list[str], source: str, d: DataConfig,
-                        limit: int = PREFLIGHT_ROWS) -> set[int] | None:
+                        limit: int = PREFLIGHT_ROWS) -> dict[int, int] | None:
     """The checks before a run: the first `limit` rows of a source tokenize, each failure named by its row. Returns
-    the ids (`id()`) of the rows that keep answer tokens within data.max_length, where that was every row (None
-    where the source has more), for `check_split_fits`."""
-    fits = set()
+    the ids (`id()`) of the rows that keep answer tokens within data.max_length, each with its tokens as trained
+    (truncated to data.max_length), where that was every row (None where the source has more), for
+    `check_split_fits`."""
+    fits = {}
     for example, name in zip(examples[:limit], names[:limit]):
         enc, _ = encode_row(tokenizer, example, d.max_length, f"{source} {name}")
         if any(label != IGNORE_INDEX for label in enc["labels"]):
-            fits.add(id(example))
+            fits[id(example)] = len(enc["input_ids"])
     return fits if len(examples) <= limit else None
 
 
-def check_split_fits(d: DataConfig, train: list, evaluation: list, fits: set[int]) -> None:
+def check_split_fits(d: DataConfig, train: list, evaluation: list, fits: Collection[int]) -> None:
     """Both splits keep at least one row within data.max_length (`fits`: the ids of the rows that do)."""
     if not any(id(ex) in fits for ex in train):
         raise DataError(f"{d.source}: no training example keeps any answer tokens within data.max_length="

@@ -488,6 +488,9 @@ def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
         cap = largest(ckpt)
         reasons.append(f"at most {cap} tokens fit in a micro-batch"
                        + (f" ({budget / GIB:.1f} GiB = {share})" if budget else ""))
+    if cap < max_row and micro_batch_tokens:
+        raise ValueError(f"the longest row ({max_row} tokens) does not fit in one micro-batch of "
+                         f"train.micro_batch_tokens={cap}: set at least {max_row}, or lower data.max_length")
     if cap < max_row:
         raise ValueError(f"the longest row ({max_row} tokens) does not fit in one micro-batch ({cap} tokens "
                          "at most): lower data.max_length, turn on train.gradient_checkpointing, or use more memory")
