@@ -109,6 +109,19 @@ def test_padded_plan_keeps_the_configured_rows():
     assert not p.packing and p.micro_batch_rows == 8 and p.gradient_accumulation_steps == 4
 
 
+def test_padded_batches_checkpoint_under_auto_only_where_they_do_not_fit_without_it():
+    # before: train.packing=false turned checkpointing on under `auto` everywhere, the CPU included, unexplained
+    cpu = plan("qwen3-0.6b", None, packing=False, per_device_rows=8)
+    assert not cpu.gradient_checkpointing
+    assert "no activation checkpointing: a padded batch of 8192 tokens fits without it" in cpu.reasons
+    roomy = plan("qwen3-0.6b", GPUS["H200-141GB"], packing=False, per_device_rows=8)
+    assert not roomy.gradient_checkpointing and roomy.predicted_peak_gib <= roomy.budget_gib
+    tight = plan("qwen3-8b", GPUS["RTX4090-24GB"], packing=False, per_device_rows=8)
+    assert tight.gradient_checkpointing
+    assert "activation checkpointing on: without it a padded batch of 8192 tokens does not fit" in tight.reasons
+    assert plan("qwen3-0.6b", None, packing=False, checkpointing=True).gradient_checkpointing  # as configured
+
+
 def test_dequantized_base_is_held_where_it_fits_and_kept_4bit_where_it_does_not():
     small = plan("qwen3-0.6b", GPUS["H200-141GB"], dequantize=True, compile_layers=True)
     assert small.dequantize_base and small.compile_layers

@@ -463,8 +463,16 @@ def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
         return max(0, min(MAX_MICRO_BATCH_TOKENS, int((budget - fixed) / per)))
 
     if not packing:
-        ckpt = True if checkpointing == "auto" else bool(checkpointing)
-        peak = peak_bytes(shape, per_device_rows * max_row, checkpointing=ckpt, **common)
+        padded = per_device_rows * max_row
+        if checkpointing == "auto":
+            ckpt = not fits(padded, False)
+            reasons.append(f"activation checkpointing on: without it a padded batch of {padded} tokens does not fit"
+                           if ckpt else f"no activation checkpointing: a padded batch of {padded} tokens fits without "
+                           "it")
+        else:
+            ckpt = bool(checkpointing)
+            reasons.append(f"activation checkpointing {'on' if ckpt else 'off'} ({ckpt_why})")
+        peak = peak_bytes(shape, padded, checkpointing=ckpt, **common)
         reasons.append(f"padded batches of {per_device_rows} rows as configured (train.packing=false)")
         return TrainingPlan(packing=False, micro_batch_tokens=0, micro_batch_rows=per_device_rows,
                             gradient_accumulation_steps=accumulation, gradient_checkpointing=ckpt,
