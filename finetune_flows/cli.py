@@ -98,15 +98,24 @@ def stop_on_signals() -> Iterator[None]:
 
 class _NoTracebackForNotRetryable(logging.Filter):
     """Prefect logs a failed run's exception with its traceback; for bad input or a full disk the message says it
-    all, and the CLI prints it once more at the end."""
+    all, and the CLI prints it once more at the end. Parameters that fail the flow's own validation (a run
+    created with `enforce_parameter_schema: false`) are bad input too: Prefect's ParameterTypeError, which names
+    each key, is logged before the flow's body runs, so its message takes the traceback's place."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], NotRetryable):
+        from prefect.exceptions import ParameterTypeError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, ParameterTypeError):
+            record.msg, record.args = f"{record.getMessage()}: {type(exc).__name__}: {exc}", None
+        if isinstance(exc, (NotRetryable, ParameterTypeError)):
             record.exc_info, record.exc_text = None, None
         return True
 
 
 def quiet_tracebacks() -> None:
+    """Called where the flows' modules are imported: the engine imports a flow's module before it validates the
+    run's parameters, which fails before the flow's body runs."""
     for name in ("prefect.flow_runs", "prefect.task_runs"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _NoTracebackForNotRetryable) for f in logger.filters):

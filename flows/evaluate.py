@@ -44,6 +44,9 @@ from tasks.select_gpus import select_gpus  # noqa: E402
 from tasks.verify_environment import verify_environment  # noqa: E402
 
 
+quiet_tracebacks()  # bad parameters fail before the flow's body runs, after this module is imported
+
+
 @flow(name="evaluate", flow_run_name=eval_run_name, log_prints=True, persist_result=False)
 def evaluate(adapter: str, config: FinetuneConfig | None = None) -> EvaluationResult:
     """An existing adapter, or a merged checkpoint made from one, scored against its base model.

@@ -38,6 +38,9 @@ from tasks.select_gpus import select_gpus  # noqa: E402
 from tasks.verify_environment import verify_environment  # noqa: E402
 
 
+quiet_tracebacks()  # bad parameters fail before the flow's body runs, after this module is imported
+
+
 @flow(name="export", flow_run_name="export {adapter}", log_prints=True, persist_result=False)
 def export(adapter: str, config: FinetuneConfig | None = None) -> ExportResult:
     """An existing adapter merged into the exact base it was trained on, as a standalone checkpoint.

@@ -45,6 +45,8 @@ from tasks.select_gpus import select_gpus  # noqa: E402
 from tasks.train_adapter import train_adapter  # noqa: E402
 from tasks.verify_environment import verify_environment  # noqa: E402
 
+quiet_tracebacks()  # bad parameters fail before the flow's body runs, after this module is imported
+
 DEFAULT_CONFIG = "configs/demo.yaml"  # in the working directory, else in this checkout (run from elsewhere)
 
 

@@ -465,3 +465,36 @@ def test_a_micro_batch_smaller_than_the_longest_row_is_said_before_any_server(tm
     preflight(load_config(None, ["model.source=generated:tiny-llama", f"run.cache_dir={tmp_path / 'c'}",
                                  f"run.output_dir={tmp_path / 'runs'}", f"data.source={tmp_path / 'train.jsonl'}",
                                  "data.max_length=256", f"train.micro_batch_tokens={longest}"]))  # the longest: fits
+
+
+ENGINE_ON_BAD_PARAMETERS = """
+import importlib, io, logging, sys
+# as `python -m prefect.engine` does: the flow's module is imported, then the run's parameters are validated, and a
+# failure is logged through the flow run's logger before the flow's body (and anything it sets up) runs
+stream = io.StringIO()
+for module, name, params in [
+    ("flows.finetune", "finetune", {"config": {"train": {"learning_rate": "fast"}}}),
+    ("flows.evaluate", "evaluate", {"adapter": 5}),
+    ("flows.export", "export", {"adapter": "a", "config": {"lora": {"rank": 8}}}),
+]:
+    try:
+        flow = getattr(importlib.import_module(module), name)
+        logger = logging.getLogger("prefect.flow_runs")
+        logger.handlers, logger.propagate = [logging.StreamHandler(stream)], False  # not Prefect's: no run here
+        flow.validate_parameters(params)
+    except Exception:
+        logging.getLogger("prefect.flow_runs").error("Engine execution exited with unexpected exception", exc_info=True)
+sys.stdout.write(stream.getvalue())
+"""
+
+
+def test_a_run_whose_parameters_fail_validation_logs_the_keys_without_a_traceback():
+    """A run created with `enforce_parameter_schema: false` is validated in the flow process, before the flow's body
+    runs: its log names the bad keys (Prefect's ParameterTypeError), without the engine's stack as well."""
+    done = subprocess.run([sys.executable, "-c", ENGINE_ON_BAD_PARAMETERS], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for needle in ("config.train.learning_rate: Input should be a valid number",
+                   "adapter: Input should be a valid string", "config.lora.rank: Extra inputs are not permitted"):
+        assert needle in done.stdout, done.stdout[-3000:]
+    assert "Traceback" not in done.stdout, done.stdout[-3000:]
