@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import pty
 import re
@@ -121,6 +122,18 @@ def test_plain_log_lines_without_a_terminal():
     assert lines == ["INFO | step 2/6 loss 1.0000 lr 0.001 90.0 tokens/s", "INFO | checkpoint saved at step 3",
                      "INFO | step 4/6 loss 0.5000 lr 0.001 90.0 tokens/s",
                      "INFO | step 6/6 loss 0.3333 lr 0.001 90.0 tokens/s", "INFO | trained 6 steps"], out
+
+
+
+def test_a_log_line_shows_the_learning_rate_in_three_digits_not_the_schedulers_float(caplog):
+    from finetune_flows.reporting.progress import ProgressReporter
+
+    with caplog.at_level(logging.INFO, logger="finetune_flows"), ProgressReporter(400) as progress:
+        for step, lr in ((50, 0.0008863636363636364), (100, 0.0)):
+            progress(dict(kind="train_log", step=step, max_steps=400, loss=6.226, learning_rate=lr, elapsed=5.0,
+                          tokens_per_second=8967.6))
+    assert [r.getMessage() for r in caplog.records] == ["step 50/400 loss 6.2260 lr 0.000886 8967.6 tokens/s",
+                                                        "step 100/400 loss 6.2260 lr 0 8967.6 tokens/s"]
 
 
 # ---------------------------------------------------------------- the real CLI

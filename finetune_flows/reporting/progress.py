@@ -167,8 +167,9 @@ class ProgressReporter:
         if self.live is not None:
             self.live.show(line)
         if kind == "train_log":
-            rate = event.get("tokens_per_second")
-            logger.info("step %s/%s loss %.4f lr %s %s", step, total, event["loss"], event.get("learning_rate"),
+            rate, lr = event.get("tokens_per_second"), event.get("learning_rate")
+            logger.info("step %s/%s loss %.4f lr %s %s", step, total, event["loss"],
+                        f"{lr:.3g}" if isinstance(lr, (int, float)) else lr,  # the scheduler's 0.000886363636...
                         "(no step timed yet)" if rate is None else f"{rate:.1f} tokens/s",
                         extra={LIVE: self.live is not None})
         self._update_artifact(float(min(100, round(100 * step / max(total, 1)))))  # at most 101 API calls
