@@ -45,6 +45,14 @@ def test_regressions_are_marked_and_noise_is_not(tmp_path):
     assert better["adapter: held-out loss"] == better["adapter: exact_match"] == "better"
 
 
+
+def test_perplexity_gets_the_verdict_of_the_held_out_loss_it_is_the_exp_of(tmp_path):
+    """1% of a loss above 1 is more than 1% of its perplexity, and below 1 less: judged each on its own, one change
+    read `same` beside `better` (6.722 -> 6.691, as measured) or `WORSE` beside `same` (0.150 -> 0.152)."""
+    for before, after, verdict in ((6.722, 6.691, "same"), (0.150, 0.152, "WORSE"), (0.150, 0.120, "better")):
+        rows = {r["metric"]: r["verdict"] for r in comparison_rows(summary(after, 0.5), summary(before, 0.5))}
+        assert (rows["adapter: held-out loss"], rows["adapter: perplexity"]) == (verdict, verdict), (before, after)
+
 def test_runs_that_headline_different_metrics_are_compared_on_the_current_ones(tmp_path):
     """The same answers, scored 0.0 by exact_match and 0.125 by contains: switching eval.metric is no change."""
     before, after = summary(0.2, 0.0), summary(0.2, 0.125)

@@ -95,14 +95,16 @@ def _verdict(before: float | None, after: float | None, better: str | None, tole
 
 def comparison_rows(current: dict, previous: dict) -> list[dict[str, Any]]:
     metric = current.get("eval", {}).get("metric", "score")
-    rows = []
+    rows, verdicts = [], {}
     for label, read, better, tolerance, relative in METRICS:
         before, after = _value(previous, read, metric), _value(current, read, metric)
         if before is None and after is None:
             continue
+        verdict = verdicts[label] = _verdict(before, after, better, tolerance, relative)
+        if label.endswith(": perplexity"):  # exp(held-out loss): the loss's verdict, not a second one that differs
+            verdict = verdicts.get(label.replace("perplexity", "held-out loss"), verdict)
         rows.append({"metric": label.format(metric=metric), "previous": before, "this run": after,
-                     "change": None if before is None or after is None else after - before,
-                     "verdict": _verdict(before, after, better, tolerance, relative)})
+                     "change": None if before is None or after is None else after - before, "verdict": verdict})
     return rows
 
 
