@@ -136,7 +136,9 @@ pool: setup
 limits: setup
 	$(PY) -m finetune_flows.orchestration.concurrency
 
+# Each deployment's config file is checked first: a bad one stops here with its message alone.
 deploy: pool limits
+	$(PY) -m finetune_flows.config.parameters deployments/prefect.yaml
 	$(PREFECT) --no-prompt deploy --all --prefect-file deployments/prefect.yaml
 	@echo "Start this host's worker with: make worker  (not Prefect's 'prefect worker start' above: it lacks the worker"
 	@echo "policy and the check of each run's job variables, deployments/README.md)"

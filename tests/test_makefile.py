@@ -21,3 +21,27 @@ def test_make_clean_removes_the_virtualenv_but_keeps_the_trained_runs(tmp_path):
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / ".venv").exists() and not (tmp_path / ".pytest_cache").exists()
     assert (adapter / "adapter_model.safetensors").read_bytes() == b"weights"
+
+
+def test_make_deploy_stops_on_a_bad_config_file_with_its_message_alone(tmp_path):
+    """A deployment's YAML config with a bad value failed `prefect deploy`'s build step: the message came between
+    two tracebacks of Prefect's. `make deploy` now checks every build step's file first and stops there."""
+    import os
+    import sys
+
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").symlink_to(sys.executable)  # no prefect here: it must not be reached
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "nightly.yaml").write_text("train:\n  learning_rate: -1\n  lerning: 2\n")
+    (tmp_path / "deployments").mkdir()
+    shutil.copy(REPO / "deployments" / "prefect.yaml", tmp_path / "deployments" / "prefect.yaml")
+    (tmp_path / "configs" / "demo.yaml").write_text((REPO / "configs" / "demo.yaml").read_text())
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run(["make", "-o", "pool", "-o", "limits", "deploy"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert ("error: deployment nightly: configs/nightly.yaml: 2 problem(s):\n"
+            "  - train.learning_rate: Input should be greater than 0 (got -1)\n"
+            "  - train.lerning: unknown key") in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and ".venv/bin/prefect" not in done.stderr, done.stderr  # stopped first
