@@ -455,3 +455,60 @@ def test_a_gpu_ranks_dataloader_copies_batches_without_waiting_for_the_device(tm
     gpu, cpu = captured
     assert gpu["accelerator_config"] == {"non_blocking": True} and gpu.get("dataloader_pin_memory", True)
     assert cpu["accelerator_config"] == {"non_blocking": False}
+
+
+KILL_WINDOW = """
+import json, sys
+from pathlib import Path
+from peft import LoraConfig, get_peft_model
+from transformers import Trainer, TrainerCallback
+
+from finetune_flows.config.plan import Plan
+from finetune_flows.config.schema import load_config
+from finetune_flows.data.packing import PadCollator
+from finetune_flows.training.checkpoints import checkpoint_is_complete
+from finetune_flows.training.clock import StepClock
+from finetune_flows.training.distributed import single_rank_defaults
+from finetune_flows.training.planner import TrainingPlan
+from finetune_flows.training.worker import _callbacks, training_arguments
+from tests.test_packing import random_rows, tiny_qwen3
+
+single_rank_defaults()
+cfg = load_config(None, ["train.save_steps=1", "train.save_total_limit=1", "tracking.report_to=[]"])
+plan = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa", eval_attn="sdpa")
+tplan = TrainingPlan(packing=False, micro_batch_tokens=0, micro_batch_rows=2, gradient_accumulation_steps=1,
+                     gradient_checkpointing=False, tokens_per_step=20.0, predicted_peak_gib=0.0, budget_gib=None,
+                     reasons=[])
+out = Path(sys.argv[1])
+args = training_arguments(cfg, plan, tplan, out, dict(per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                          max_steps=3), on_gpu=False, use_liger=False)
+model = get_peft_model(tiny_qwen3(2).train(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                       task_type="CAUSAL_LM"))
+complete = []
+
+class KilledHere(TrainerCallback):
+    # runs before the worker's callback: what a kill between the Trainer's save and its on_save would leave
+    def on_save(self, args, state, control, **kwargs):
+        complete.append(sorted(p.name for p in (out / "checkpoints").glob("checkpoint-*") if checkpoint_is_complete(p)))
+
+collator = PadCollator(0)
+trainer = Trainer(model=model, args=args, train_dataset=random_rows([6, 9, 4, 11, 7, 5]), data_collator=collator,
+                  callbacks=[KilledHere()])
+trainer.add_callback(_callbacks(3, collator, StepClock(collator, model, None), out, 0.0, cfg.train.save_total_limit))
+trainer.train()
+print(json.dumps({"complete": complete, "left": sorted(p.name for p in (out / "checkpoints").iterdir())}))
+"""
+
+
+def test_one_kept_checkpoint_is_removed_only_once_the_next_is_complete(tmp_path):
+    """train.save_total_limit=1: the Trainer removed the old checkpoint before the worker wrote the new one's manifest,
+    so a kill in between left no complete checkpoint and the rerun trained from step 0. The worker now rotates them
+    after the manifest: at every save, one complete checkpoint is on disk."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", KILL_WINDOW, str(tmp_path)], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["complete"] == [[], ["checkpoint-1"], ["checkpoint-2"]], seen
+    assert seen["left"] == ["checkpoint-3"], seen

@@ -19,6 +19,15 @@ def write_checkpoint_manifest(path: Path) -> None:
     write_json(path / CHECKPOINT_MANIFEST, {"files": files}, indent=None)
 
 
+def rotate_checkpoints(ckpt_dir: Path, keep: int) -> None:
+    """Remove all but the newest `keep` checkpoints (train.save_total_limit), once the newest has its manifest. The
+    Trainer's own rotation runs before that manifest is written: with one kept, a kill in between left none complete."""
+    found = sorted((p for p in ckpt_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                   key=lambda p: int(p.name.split("-")[-1]))
+    for old in found[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def checkpoint_is_complete(path: Path) -> bool:
     try:
         files = json.loads((path / CHECKPOINT_MANIFEST).read_text())["files"]

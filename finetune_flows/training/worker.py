@@ -27,7 +27,7 @@ from finetune_flows.training.distributed import (
     barrier, checkpoint_step, gather, is_writer, prepare_ranks, single_rank_defaults,
 )
 from finetune_flows.config.plan import Plan
-from finetune_flows.training.checkpoints import last_checkpoint, write_checkpoint_manifest
+from finetune_flows.training.checkpoints import last_checkpoint, rotate_checkpoints, write_checkpoint_manifest
 from finetune_flows.runtime.lifecycle import emit_event, worker_main
 from finetune_flows.runtime.lifecycle import training_callback
 from finetune_flows.models.quantize import torch_dtype
@@ -44,7 +44,7 @@ from finetune_flows.training.planner import TrainingPlan
 from finetune_flows.training.profiling import profiler_callback
 
 
-def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: float):
+def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: float, keep: int):
     from transformers import TrainerCallback
 
     class Events(TrainerCallback):
@@ -85,6 +85,7 @@ def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: f
                 ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
                 if ckpt.is_dir():
                     write_checkpoint_manifest(ckpt)
+                    rotate_checkpoints(ckpt.parent, keep)  # only now: the Trainer's own rotation ran before it
             if state.is_world_process_zero:
                 emit_event("checkpoint", step=state.global_step)
 
@@ -145,7 +146,7 @@ def training_arguments(cfg: FinetuneConfig, plan: Plan, tplan: TrainingPlan, out
         bf16=plan.precision == "bf16", fp16=plan.precision == "fp16", use_cpu=not on_gpu,
         ddp_backend="nccl" if on_gpu else "gloo", ddp_find_unused_parameters=False,
         logging_steps=t.logging_steps, logging_first_step=True, save_strategy="steps", save_steps=save_steps,
-        save_total_limit=t.save_total_limit, seed=t.seed, data_seed=t.seed, report_to=cfg.tracking.report_to,
+        save_total_limit=None, seed=t.seed, data_seed=t.seed, report_to=cfg.tracking.report_to,
         remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False,
         # Each micro-batch's tensors go to the GPU from pinned memory without waiting: a blocking copy waits for the
         # stream to drain (the previous backward pass), then the GPU idles while the host collates the next batch
@@ -260,7 +261,7 @@ def _train(job: dict) -> dict | None:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     clock = StepClock(collator, model, device_events() if on_gpu else None)
-    trainer.add_callback(_callbacks(batch_args["max_steps"], collator, clock, out, started))
+    trainer.add_callback(_callbacks(batch_args["max_steps"], collator, clock, out, started, t.save_total_limit))
     deferred = None
     if tplan.compile_layers and tplan.compile_deferred:  # after the callback that feeds the clock
         def say(line: str) -> None:
