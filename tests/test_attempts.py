@@ -9,8 +9,11 @@ import json
 import pytest
 
 from finetune_flows.training.attempts import (
-    AttemptLog, adapt_after_oom, current_split, error_line, run_attempts, split_limit, whole_run, worker_error,
+    AttemptLog, adapt_after_oom, current_split, error_line, kept_layout, run_attempts, split_limit, whole_run,
+    worker_error,
 )
+from finetune_flows.data.packing import build_schedule
+from finetune_flows.training.planner import TrainingPlan
 from finetune_flows.errors import RepeatedFailure, WorkerFailed, WorkerOOM, is_retryable
 from finetune_flows.runtime.launcher import python_module, run_worker, write_job
 
@@ -30,6 +33,46 @@ def test_out_of_memory_doubles_the_split_until_it_cannot(tmp_path):
         adapt_after_oom(tmp_path, oom, limit=3)
     adapt = json.loads((tmp_path / "adapt.json").read_text())
     assert adapt["split"] == 3 and [(h["split"], h["new_split"]) for h in adapt["history"]] == [(1, 2), (2, 3)]
+
+
+def _packed(tokens: int, accumulation: int) -> TrainingPlan:
+    return TrainingPlan(packing=True, micro_batch_tokens=tokens, micro_batch_rows=0,
+                        gradient_accumulation_steps=accumulation, gradient_checkpointing=False,
+                        tokens_per_step=9330.0, predicted_peak_gib=1.0, budget_gib=None, reasons=[])
+
+
+def _steps(schedule) -> list[list[int]]:
+    per = schedule.accumulation
+    return [sorted(i for mb in schedule.micro_batches[s * per:(s + 1) * per] for i in mb) for s in range(schedule.steps)]
+
+
+def test_a_resumed_run_trains_the_rows_its_checkpoints_were_trained_with_whatever_memory_plans_now(tmp_path):
+    """With packing the micro-batch size decided which rows share a step: 9,330 tokens x 1 (a whole GPU) and 3,110 x 3
+    (a 4 GiB budget) train different rows at every step, so a resume on a GPU with less free memory went on with
+    another schedule, skipping and repeating rows. The resumed run keeps the checkpoints' layout, cut into pieces."""
+    import random
+
+    rng = random.Random(0)
+    lengths = [rng.randint(32, 1024) for _ in range(2000)]
+    whole, tight = _packed(9330, 1), _packed(3110, 3)
+
+    def schedule(plan: TrainingPlan, split: int = 1):
+        return build_schedule(lengths, plan.micro_batch_tokens, plan.gradient_accumulation_steps, 1, 42, 30,
+                              split=split)
+
+    assert kept_layout(tmp_path, whole, resuming=False) == (whole, 1)  # the first attempt records its layout
+    assert sum(a != b for a, b in zip(_steps(schedule(whole)), _steps(schedule(tight)))) > 25  # the problem
+    resumed, split = kept_layout(tmp_path, tight, resuming=True)  # checkpoints, and less memory now
+    assert (resumed.micro_batch_tokens, resumed.gradient_accumulation_steps, split) == (9330, 1, 4)
+    assert "resumed with the layout its checkpoints were trained with, 9330 tokens x 1" in resumed.reasons[-1]
+    pieces = schedule(resumed, split)
+    assert _steps(pieces) == _steps(schedule(whole))
+    assert max(sum(lengths[i] for i in mb) for mb in pieces.micro_batches) <= 3110  # within this plan's micro-batch
+    more, split = kept_layout(tmp_path, _packed(18660, 1), resuming=True)  # more memory: the same layout, whole
+    assert (more.micro_batch_tokens, split) == (9330, 1)
+    assert kept_layout(tmp_path, tight, resuming=False) == (tight, 1)  # a fresh start records the new layout
+    assert json.loads((tmp_path / "layout.json").read_text()) == {"micro_batch_tokens": 3110,
+                                                                   "gradient_accumulation_steps": 3}
 
 
 def test_error_lines_compare_across_attempts():

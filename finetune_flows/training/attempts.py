@@ -7,6 +7,8 @@ Files in the adapter's output directory (each written atomically: finetune_flows
   accumulation multiplied by S, so each optimizer step sees the same rows and the results do not change, only the
   peak memory. When a micro-batch cannot get smaller (one row per piece, or S = 64) the task stops with one
   message instead.
+- `layout.json`: the packed micro-batch size and accumulation the checkpoints are trained with. They decide which rows
+  share an optimizer step, so a resume keeps them (kept_layout) whatever this GPU's free memory or budget plans now.
 - `attempts.json`: one record per attempt (outcome, split, checkpoint it resumed from, steps, tokens and seconds
   measured up to its last logged step), updated while the attempt runs, so even an orchestrator killed mid-run
   leaves what it measured. A crash that repeats the same error from the same checkpoint is not retried again.
@@ -26,6 +28,7 @@ from typing import Any, Callable
 from finetune_flows.files import write_json
 from finetune_flows.errors import NotRetryable, RepeatedFailure, WorkerFailed, WorkerInterrupted, WorkerOOM
 from finetune_flows.logs import run_logger
+from finetune_flows.training.planner import TrainingPlan
 
 MAX_SPLIT = 64
 EventHandler = Callable[[dict[str, Any]], None]
@@ -62,6 +65,33 @@ def adapt_after_oom(out: Path, oom: WorkerOOM, limit: int) -> int:
                                            "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}]
     write_json(out / "adapt.json", {"split": new, "history": history})
     return new
+
+
+LAYOUT = "layout.json"
+_LAYOUT_KEYS = ("micro_batch_tokens", "gradient_accumulation_steps")
+
+
+def kept_layout(out: Path, tplan: TrainingPlan, resuming: bool) -> tuple[TrainingPlan, int]:
+    """The plan to train with, and the least split of each micro-batch. Packed rows fill micro-batches of the plan's
+    size (data/packing.py), so that size decides which rows share a step: a run resuming from checkpoints keeps the
+    layout they were trained with, its micro-batches cut into pieces (as after an out-of-memory attempt, the same
+    rows each step) where this plan's are smaller. Otherwise this plan's layout is recorded for a later resume."""
+    if not tplan.packing:  # padded batches: per_device_batch_size rows, whatever the memory
+        return tplan, 1
+    layout = {k: getattr(tplan, k) for k in _LAYOUT_KEYS}
+    saved = _read_json(out / LAYOUT, None) if resuming else None
+    if not isinstance(saved, dict) or set(saved) != set(_LAYOUT_KEYS) or saved == layout:
+        write_json(out / LAYOUT, layout)
+        return tplan, 1
+    old, now = saved["micro_batch_tokens"], tplan.micro_batch_tokens
+    split = 1
+    while math.ceil(old / split) > now and split < MAX_SPLIT:
+        split *= 2
+    pieces = f", each cut into {split} pieces (this plan's micro-batches hold {now} tokens)" if split > 1 else ""
+    reason = (f"resumed with the layout its checkpoints were trained with, {old} tokens x "
+              f"{saved['gradient_accumulation_steps']} accumulation (this plan: {now} x "
+              f"{tplan.gradient_accumulation_steps}), so each step trains the same rows{pieces}")
+    return tplan.model_copy(update={**saved, "reasons": [*tplan.reasons, reason]}), split
 
 
 # ---------------------------------------------------------------- attempts
@@ -149,12 +179,13 @@ class AttemptLog:
 
 
 def run_attempts(out: Path, limit: int, resume_point: Callable[[], int | None],
-                 launch: Callable[[int, EventHandler], None]) -> None:
-    """launch(split, on_event) until it succeeds; adapt after out-of-memory, record every attempt."""
+                 launch: Callable[[int, EventHandler], None], least_split: int = 1) -> None:
+    """launch(split, on_event) until it succeeds; adapt after out-of-memory, record every attempt. Each micro-batch
+    is cut into at least `least_split` pieces (kept_layout)."""
     log = AttemptLog(out)
     logger = run_logger()
     while True:
-        split = current_split(out)
+        split = max(current_split(out), min(least_split, limit))
         log.begin(split, resume_point())
         try:
             launch(split, log.observe)

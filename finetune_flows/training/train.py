@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from finetune_flows.training.attempts import run_attempts, split_limit, whole_run
+from finetune_flows.training.attempts import LAYOUT, kept_layout, run_attempts, split_limit, whole_run
 from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
@@ -161,7 +161,7 @@ def write_train_job(out: Path, cfg: FinetuneConfig, plan: Plan, base: QuantizedM
 
 # What an unfinished attempt leaves for the next one: the checkpoints it resumes from (torchrun's, and Ray Train's
 # run storage under ray/), the log, and the whole-run accounting (finetune_flows/training/attempts.py).
-RESUMABLE = ("checkpoints", "ray", "train.log", "attempts.json", "adapt.json")
+RESUMABLE = ("checkpoints", "ray", "train.log", "attempts.json", "adapt.json", LAYOUT)
 
 
 def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan, gpus: GpuSelection,
@@ -180,6 +180,7 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     def produce() -> TrainResult:
         # planned only for training: a reused adapter reports the plan it was trained with
         tplan = training_plan(cfg, data, base, plan, gpus)
+        tplan, least_split = kept_layout(out, tplan, last_checkpoint(out / "checkpoints") is not None)
         planned = plan.with_training(tplan)
         if planned.strategy_choice:
             tplan.reasons.insert(0, planned.strategy_choice)
@@ -199,7 +200,7 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
         check_lora_targets(base.path, cfg.lora.target_modules, cfg.model.trust_remote_code)  # before torchrun
         limit = split_limit(tplan.packing, tplan.micro_batch_tokens, tplan.micro_batch_rows, max(row_lengths(data)))
         with device_slots(gpus.ids):  # lock order: the entry's lock (held by the caller), then the devices
-            run_attempts(out, limit, resume_point, attempt)
+            run_attempts(out, limit, resume_point, attempt, least_split)
         return TrainResult.model_validate(whole_run(out, json.loads((out / "train_metrics.json").read_text())))
 
     result, reused = reuse_or_produce(entry, TrainResult, produce, TRAIN_OUTPUTS, keep=RESUMABLE)
