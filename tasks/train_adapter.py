@@ -22,7 +22,7 @@ CACHE_KEY = CacheKey("adapters", train.train_fingerprint, hashes=(
 
 
 @step(name="train-adapter", cache_key=CACHE_KEY, retry_condition_fn=retry_unless_user_error,
-      task_run_name="train-adapter({cfg.run.name}: {cfg.train.max_steps} steps)", tags=["training", "device"])
+      task_run_name="train-adapter({cfg.run.name}: {cfg.train.length})", tags=["training", "device"])
 def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedModel, plan: Plan, gpus: GpuSelection,
                   run_dir: Path):
     """Reuse the verified adapter, or train it under the entry's lock (held for the whole attempt, so no other

@@ -261,6 +261,8 @@ def test_an_empty_lora_target_list_is_refused_before_any_model_loads():
      "that to train for the epochs, or drop train.epochs"),
     (["train.packing=false", "train.micro_batch_tokens=2048"], "train.micro_batch_tokens with train.packing=false: "
      "padded batches hold train.per_device_batch_size rows; drop one of the two"),
+    (["train.lr_scheduler=constant", "train.warmup_steps=50"], "train.warmup_steps=50 with train.lr_scheduler="
+     "constant, which has no warm-up: use constant_with_warmup, or drop train.warmup_steps"),
 ])
 def test_a_training_setting_that_would_be_ignored_is_refused(overrides, problem):
     # before: accepted, and the run trained 100 steps / padded batches of 8 rows as if the key were not there
@@ -272,3 +274,10 @@ def test_a_training_setting_that_would_be_ignored_is_refused(overrides, problem)
 def test_epochs_with_max_steps_minus_one_and_default_epochs_with_steps_are_accepted():
     assert load_config(None, ["train.max_steps=-1", "train.epochs=3"]).train.epochs == 3
     assert load_config(None, ["train.max_steps=20", "train.epochs=1"]).train.max_steps == 20
+
+
+def test_constant_without_warm_up_is_accepted_and_the_run_length_reads_in_steps_or_epochs():
+    assert load_config(None, ["train.lr_scheduler=constant", "train.warmup_steps=0"]).train.warmup_steps == 0
+    assert load_config(None, ["train.lr_scheduler=constant"]).train.lr_scheduler == "constant"  # the default warm-up
+    assert load_config(None, []).train.length == "100 steps"
+    assert load_config(None, ["train.max_steps=-1", "train.epochs=2.5"]).train.length == "2.5 epoch(s)"  # not -1 steps

@@ -136,7 +136,7 @@ class TrainConfig(Section):
     lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
         "cosine", description="Learning-rate schedule."
     )
-    warmup_steps: int = Field(5, ge=0, description="Linear warm-up steps.")
+    warmup_steps: int = Field(5, ge=0, description="Linear warm-up steps (none with `lr_scheduler: constant`).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     per_device_batch_size: int = Field(
         8, ge=1, description="Rows per device per micro-step. With packing, `per_device_batch_size x "
@@ -215,6 +215,11 @@ class TrainConfig(Section):
         if v == 0:  # the Trainer reads max_steps <= 0 as "train for the epochs": 0 would silently run a whole epoch
             raise ValueError("0 steps: a positive number of optimizer steps, or -1 to train for `train.epochs`")
         return v
+
+    @property
+    def length(self) -> str:
+        """The run's length in words (the training task's name): `100 steps`, or `3 epoch(s)` with max_steps -1."""
+        return f"{self.max_steps} steps" if self.max_steps != -1 else f"{self.epochs:g} epoch(s)"
 
 
 class HardwareConfig(Section):
@@ -608,6 +613,9 @@ def consistency_problems(cfg: FinetuneConfig) -> list[str]:
     if t.max_steps != -1 and t.epochs != TrainConfig.model_fields["epochs"].default:
         problems.append(f"train.epochs={t.epochs:g} with train.max_steps={t.max_steps}: epochs count only with "
                         "train.max_steps=-1; set that to train for the epochs, or drop train.epochs")
+    if t.lr_scheduler == "constant" and t.warmup_steps not in (0, TrainConfig.model_fields["warmup_steps"].default):
+        problems.append(f"train.warmup_steps={t.warmup_steps} with train.lr_scheduler=constant, which has no warm-up: "
+                        "use constant_with_warmup, or drop train.warmup_steps")
     if t.micro_batch_tokens is not None and not t.packing:
         problems.append("train.micro_batch_tokens with train.packing=false: padded batches hold "
                         "train.per_device_batch_size rows; drop one of the two")

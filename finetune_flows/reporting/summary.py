@@ -49,7 +49,7 @@ def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, steps: dic
     result.previous_run = publish_comparison(run_dir, result.model_dump(mode="json"))
 
     create_table_artifact(
-        [{"step": s, "loss": loss} for s, loss in train.loss_curve], key="train-loss",
+        [{"step": s, "loss": round(loss, 4)} for s, loss in train.loss_curve], key="train-loss",
         description=f"Loss per logged step; {train.tokens_per_second} tokens/s on {train.world_size} "
                     f"{train.device} rank(s), peak memory {train.peak_memory_mb} MiB",
     )

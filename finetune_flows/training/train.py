@@ -142,7 +142,8 @@ def publish_training_plan(tplan: TrainingPlan, cached: bool = False) -> None:
     from prefect.artifacts import create_markdown_artifact
 
     lines = ["| choice | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in tplan.model_dump().items() if k != "reasons"]
+    lines += [f"| {k} | {round(v, 2) if isinstance(v, float) else v} |" for k, v in tplan.model_dump().items()
+              if k != "reasons"]
     md = f"# Training plan{whose}\n\n" + "\n".join(lines) + "\n\n" + "\n".join(f"- {r}" for r in tplan.reasons) + "\n"
     try:
         create_markdown_artifact(md, key="training-plan", description="Micro-batch, accumulation, checkpointing")
