@@ -5,11 +5,18 @@ repeats unchanged) is reported as one message and never retried. Anything else (
 flaky disk) may be retried, and a training retry resumes from the last checkpoint.
 """
 
+import re
+
 
 def first_line(exc: BaseException) -> str:
     """An exception's message for a one-line report: its first line, or its type where it has none."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def redact_uri(uri: str) -> str:
+    """`uri` for a message: a password in its user part (`http://user:pw@host`) shown as `***`."""
+    return re.sub(r"^([a-zA-Z][\w+.-]*://[^/@:]*):[^/@]*@", r"\1:***@", uri)
 
 
 class NotRetryable(Exception):

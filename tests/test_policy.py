@@ -214,3 +214,28 @@ def test_worker_processes_get_no_secrets_unless_the_policy_trusts_the_source(hos
     checked_config(None, allowed(host))
     env = run_worker("env", [sys.executable, "-c", probe, str(tmp_path)], {}, tmp_path)
     assert env["HF_TOKEN"] == "hf_secret_value"
+
+
+def test_a_run_logging_to_an_allowed_mlflow_server_keeps_its_credentials_in_the_flow_process_only(
+        host, monkeypatch, tmp_path):
+    """A deployment run dropped MLFLOW_TRACKING_PASSWORD from the flow process, which logs to MLflow, so a server
+    asking for credentials could be reached only with a password in the URI (then in the run's parameters)."""
+    from finetune_flows.runtime.launcher import run_worker
+
+    (host / "policy.yaml").write_text(yaml.safe_dump({"data_roots": ["data"], "output_roots": ["runs"],
+                                                      "cache_roots": ["cache"], "mlflow_uris": ["http://mlflow:*"]}))
+    probe = ("import json, os, sys; open(os.path.join(sys.argv[1], 'env.result.json'), 'w')"
+             ".write(json.dumps(dict(os.environ)))")
+    for name in ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "HF_TOKEN"):
+        monkeypatch.setenv(name, "the_secret")
+    checked_config(None, allowed(host, **{"tracking.mlflow_uri": "http://mlflow:5000"}))
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == os.environ["MLFLOW_TRACKING_TOKEN"] == "the_secret"
+    assert "HF_TOKEN" not in os.environ
+    env = run_worker("env", [sys.executable, "-c", probe, str(tmp_path)], {}, tmp_path)
+    assert "the_secret" not in json.dumps(env)  # the workers never get them
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "the_secret")
+    checked_config(None, allowed(host))  # no tracking server: nothing to keep it for
+    assert "MLFLOW_TRACKING_PASSWORD" not in os.environ
+    # a password in the URI is shown as *** where the URI is named
+    assert "http://alice:***@collector:5000 is not among" in refused(
+        host, **{"tracking.mlflow_uri": "http://alice:s3cret@collector:5000"})

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from finetune_flows.config.schema import FinetuneConfig, dotted
 from finetune_flows.config.plan import Plan
-from finetune_flows.errors import ConfigError, NotLogged, first_line
+from finetune_flows.errors import ConfigError, NotLogged, first_line, redact_uri
 from finetune_flows.logs import run_logger
 
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "mlflow": ("mlflow",), "wandb": ("wandb",),
@@ -38,22 +38,23 @@ def tracking_problems(cfg: FinetuneConfig, timeout: float = 5.0) -> list[str]:
         if not any(importlib.util.find_spec(m) for m in modules):
             problems.append(f"tracking.report_to={name} needs the `{modules[0]}` package, which is not installed")
     uri = cfg.tracking.mlflow_uri
+    shown = redact_uri(uri or "")
     if uri:
         if importlib.util.find_spec("mlflow") is None:
-            problems.append(f"tracking.mlflow_uri={uri} needs MLflow: {EXTRA_HINT}")
+            problems.append(f"tracking.mlflow_uri={shown} needs MLflow: {EXTRA_HINT}")
         elif uri.startswith(("http://", "https://")):
             try:
                 with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as response:
                     response.read()
             except OSError as exc:
-                problems.append(f"tracking.mlflow_uri={uri}: no MLflow server answers there ({exc})")
+                problems.append(f"tracking.mlflow_uri={shown}: no MLflow server answers there ({exc})")
         else:  # a store MLflow opens itself (sqlite:///runs.db); some it refuses (file stores, in MLflow 3)
             try:
                 from mlflow import MlflowClient
 
                 MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
             except Exception as exc:
-                problems.append(f"tracking.mlflow_uri={uri}: MLflow cannot use it ({first_line(exc)})")
+                problems.append(f"tracking.mlflow_uri={shown}: MLflow cannot use it ({first_line(exc)})")
     return problems
 
 
@@ -104,7 +105,7 @@ def log_to_mlflow(cfg: FinetuneConfig, plan: Plan, result, attempts: int = ATTEM
     try:
         return _log(cfg, plan, result)
     except Exception as exc:
-        raise NotLogged(f"the run is complete in {result.run_dir}, but MLflow at {cfg.tracking.mlflow_uri} did not "
+        raise NotLogged(f"the run is complete in {result.run_dir}, but MLflow at {redact_uri(cfg.tracking.mlflow_uri)} did not "
                         f"take it ({first_line(exc)[:300]}); run the same command again once the server answers: "
                         "every step is reused and the run is logged") from None
 
@@ -162,6 +163,6 @@ def _log(cfg: FinetuneConfig, plan: Plan, result) -> str:
         client.log_artifacts(run_id, str(run_dir / "plots"), "plots")
     client.log_artifacts(run_id, str(result.adapter_path), "adapter")
     client.set_terminated(run_id, "FINISHED")
-    run_logger().info("logged to MLflow %s: experiment %r, run %s (%s)", cfg.tracking.mlflow_uri,
+    run_logger().info("logged to MLflow %s: experiment %r, run %s (%s)", redact_uri(cfg.tracking.mlflow_uri),
                       cfg.tracking.mlflow_experiment, run_dir.name, run_id)
     return run_id

@@ -17,7 +17,8 @@ the defaults below) says what such a run may do:
     ray_addresses: [auto]         # hardware.ray_address values (patterns) training may join: `auto` is the
                                   # cluster this host joined itself
     rdzv_endpoints: []            # hardware.rdzv_endpoint values (patterns) a multi-node torchrun may meet at
-    mlflow_uris: []               # tracking.mlflow_uri values (patterns) runs may send their results to
+    mlflow_uris: []               # tracking.mlflow_uri values (patterns) runs may send their results to (the
+                                  # flow process keeps MLFLOW_TRACKING_PASSWORD/TOKEN for it; workers never)
 
 Paths are resolved (symlinks, `..`) before they are compared; relative roots are relative to the policy file.
 A run that asks for more is refused before anything is read or written, with one message naming each key and
@@ -36,7 +37,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from finetune_flows.config.schema import ATTENTION_BACKENDS, FinetuneConfig, load_config
-from finetune_flows.errors import UserInputError
+from finetune_flows.errors import UserInputError, redact_uri
 from finetune_flows.logs import run_logger
 
 POLICY_ENV = "FINETUNE_FLOWS_POLICY"
@@ -44,6 +45,8 @@ DEFAULT_CACHE = "~/.cache/finetune-flows"
 # Environment variables treated as secrets: tokens, keys, passwords, credentials (TOKENIZERS_PARALLELISM is not).
 SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|AUTH_STRING|CREDENTIALS?)($|_)")
 PREFECT_CLIENT = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING")  # the flow process needs these to report
+# MLflow's client credentials: the flow process logs the run to a tracking.mlflow_uri the policy allows
+MLFLOW_CLIENT = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
 class PolicyError(UserInputError):
@@ -207,7 +210,7 @@ def config_problems(policy: Policy, cfg: FinetuneConfig) -> list[str]:
                         f"({', '.join(policy.rdzv_endpoints) or 'none'})")
     uri = cfg.tracking.mlflow_uri  # it receives the config, the eval answers and the adapter
     if uri is not None and not any(fnmatch.fnmatchcase(uri, p) for p in policy.mlflow_uris):
-        problems.append(f"tracking.mlflow_uri={uri} is not among the policy's mlflow_uris "
+        problems.append(f"tracking.mlflow_uri={redact_uri(uri)} is not among the policy's mlflow_uris "
                         f"({', '.join(policy.mlflow_uris) or 'none'})")
     if not _source_allowed(cfg.model.source, policy.model_sources):
         problems.append(f"model.source={cfg.model.source} is not among the policy's model_sources "
@@ -301,7 +304,9 @@ def _allowed(policy: Policy | None, cfg: FinetuneConfig) -> FinetuneConfig:
     trusted = any(fnmatch.fnmatchcase(cfg.model.source, p) for p in policy.secrets_for)
     _Decision.secrets_allowed = trusted
     if not trusted:  # code this run loads in the flow process (a tokenizer) must not find them either
-        kept = strip_secrets(dict(os.environ), keep=PREFECT_CLIENT)
+        # (its workers get none: worker_environment)
+        client = PREFECT_CLIENT + (MLFLOW_CLIENT if cfg.tracking.mlflow_uri else ())
+        kept = strip_secrets(dict(os.environ), keep=client)
         for name in set(os.environ) - set(kept):
             del os.environ[name]
         os.environ["HF_TOKEN_PATH"] = os.devnull
