@@ -47,7 +47,7 @@ def first_imports(job_path: str) -> dict:
 if __name__ == "__main__":
     first_imports(sys.argv[1])
 
-from benchmarks.seed_recipe import train_timed  # noqa: E402  (timed and reported as the seed is)
+from benchmarks.seed_recipe import budget, train_timed  # noqa: E402  (capped, timed and reported as the seed is)
 from finetune_flows.data.dataset import load_split  # noqa: E402
 from finetune_flows.files import write_json  # noqa: E402
 from finetune_flows.packages import installed_version  # noqa: E402
@@ -82,15 +82,6 @@ def clocked(trainer, events=None) -> tuple[TokenCounter, StepClock]:
 def versions() -> dict[str, str | None]:
     return {d: installed_version(d) for d in ("unsloth", "unsloth_zoo", "trl", "transformers", "peft", "bitsandbytes",
                                                "liger-kernel", "datasets", "torch")}
-
-
-def budget(job: dict) -> None:
-    import torch
-
-    gib = job.get("memory_budget_gib")
-    if gib and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), 0)
 
 
 def sft_config(job: dict, on_gpu: bool, **extra):

@@ -5,7 +5,8 @@
 bitsandbytes NF4 with double quantization and bf16 compute, `prepare_model_for_kbit_training` with gradient
 checkpointing, PEFT LoRA r=16 alpha=32 dropout=0.05 on all 7 linear projections, padded micro-batches of 8 rows,
 sdpa attention, the Trainer. Timed with the same step clock as the project's own path
-(finetune_flows/training/worker.py).
+(finetune_flows/training/worker.py). Under a memory budget (the job's `memory_budget_gib`) its allocator is capped
+there, as the peers' are (`budget`), so a recipe that needs more fails as on a smaller GPU.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ from finetune_flows.training.clock import StepClock, device_events, steady_state
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def budget(job: dict) -> None:
+    """The row's memory budget: the allocator capped at `memory_budget_gib` GiB of the device (the seed's and the
+    peers' rows; ours plans within it through hardware.memory_budget_gib)."""
+    import torch
+
+    gib = job.get("memory_budget_gib")
+    if gib and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), 0)
+
+
 def main(job_path: str) -> None:
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -35,6 +47,7 @@ def main(job_path: str) -> None:
     out = Path(job["out"])
     on_gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if on_gpu else torch.float32
+    budget(job)  # before anything is allocated
     set_seed(job["seed"])
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=dtype)

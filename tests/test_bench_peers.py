@@ -236,3 +236,38 @@ def test_the_unsloth_row_imports_unsloth_before_anything_imports_transformers(tm
     proc = subprocess.run([sys.executable, "benchmarks/peer_recipe.py", str(job)], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env=child_env(PYTHONPATH=str(tmp_path / "site")))
     assert proc.returncode != 0 and "before unsloth: []" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_seed_recipe_runs_within_the_rows_memory_budget_as_the_peers_do(tmp_path, monkeypatch):
+    """A budget's seed row (`seed-<shape>-<N>gib`) is the recipe capped at N GiB, as the peers are: an uncapped seed
+    under a budget's name would pair ours within the budget with a recipe that used all the GPU. No GPU here: the
+    cap is read off a stand-in for torch.cuda, and loading the model stops the recipe."""
+    import importlib
+
+    import torch
+    import transformers
+
+    importlib.import_module("peft")  # before torch.cuda claims a GPU: bitsandbytes, which peft imports, would use it
+    seed = load_benchmark("seed_recipe")
+    caps = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 96 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i=None: caps.append((f, i)))
+
+    class Loaded(Exception):
+        pass
+
+    def load(*a, **k):
+        raise Loaded(caps[:])
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"out": str(tmp_path), "model": "m", "seed": 42, "memory_budget_gib": 24}))
+    with pytest.raises(Loaded) as loaded:
+        seed.main(str(job))
+    assert loaded.value.args[0] == [(0.25, 0)]  # capped before the model loads
+    caps.clear()
+    job.write_text(json.dumps({"out": str(tmp_path), "model": "m", "seed": 42, "memory_budget_gib": None}))
+    with pytest.raises(Loaded):
+        seed.main(str(job))
+    assert caps == []
