@@ -7,8 +7,10 @@
 The workload: synthetic rows (default 4,000) whose lengths are lognormal (median 256, sigma 0.7, clipped to
 32..1024), loss on every token, drawn from a sparse Markov chain (each token has 4 successors), so there is
 structure to learn: 1,024 token ids, so a short run moves the loss from ~12 nats (random init) towards the
-entropy floor ln 4 = 1.39. Both runs see the same rows and train for the same
-number of optimizer steps with the same effective batch (32 rows per step and GPU) and learning rate.
+entropy floor ln 4 = 1.39. Both runs train on the same rows for the same number of optimizer steps with the same
+effective batch (32 rows per step and GPU) and learning rate: the seed and the peers draw 32 rows a step with the
+Trainer's sampler; ours packs the rows in its own order into steps of at most 32 x the mean row length in tokens
+(about 31 rows, so a few % fewer tokens in its steps: tokens/s counts each row's real tokens).
 
 Runs: `seed` (benchmarks/seed_recipe.py: the Transformers NVIDIA-GPU guide's QLoRA recipe), `ours` (the project's
 training worker, finetune_flows/training/worker.py, with its defaults and memory planner; `train.compile=true`, as
