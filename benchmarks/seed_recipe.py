@@ -77,8 +77,8 @@ def main(job_path: str) -> None:
 
 def train_timed(trainer, tally, clock: StepClock, warmup: int, out: Path) -> dict:
     """Train, save the adapter under `out`, and return what every recipe's row reports (the peers' too): the real
-    tokens `tally` counted, per second over the run and in steady state, peak memory reserved and allocated, the
-    loss curve."""
+    tokens `tally` counted, per second over the run and in steady state, each step's seconds, peak memory reserved
+    and allocated, the loss curve."""
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -95,6 +95,7 @@ def train_timed(trainer, tally, clock: StepClock, warmup: int, out: Path) -> dic
         "steps": trainer.state.global_step, "train_tokens": tally.tokens, "train_seconds": round(seconds, 2),
         "tokens_per_second": round(tally.tokens / seconds, 1),
         "steady_state": steady_state(clock.steps, 1.0, warmup),
+        "step_seconds": [round(sec, 4) for _, sec, _, _ in clock.steps],  # each step's, as ours' rows keep them
         "peak_memory_mb": round(torch.cuda.max_memory_reserved() / 2**20, 1) if on_gpu else None,
         "peak_allocated_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if on_gpu else None,
         "loss_curve": [(int(e["step"]), float(e["loss"])) for e in trainer.state.log_history if "loss" in e],

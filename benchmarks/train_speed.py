@@ -552,7 +552,7 @@ class Bench:
             "layout": r.get("layout", ""), "overrides": r.get("overrides", []), "allocator": r.get("allocator"),
             "attention_choice": r.get("attention_choice"),
             "training_plan": r.get("training_plan"), "profile": r.get("profile"),
-            # ours: each step's seconds and the allocator's frees-and-retries at its cap (None on the CPU)
+            # each step's seconds (every row); ours: the allocator's frees-and-retries at its cap (None on the CPU)
             "step_seconds": r.get("step_seconds"), "alloc_retries": r.get("alloc_retries"),
             "compile_stats": r.get("compile_stats"),
             "flops_per_token": mshape.flops_per_token(stats["mean_length"]),

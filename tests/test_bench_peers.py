@@ -271,3 +271,25 @@ def test_the_seed_recipe_runs_within_the_rows_memory_budget_as_the_peers_do(tmp_
     with pytest.raises(Loaded):
         seed.main(str(job))
     assert caps == []
+
+
+def test_a_recipes_row_keeps_each_steps_seconds_as_ours_does(tmp_path):
+    """The seed's and the peers' rows (train_timed) keep every step's time as ours' rows do (`step_seconds`), so a
+    row whose 5-step windows spread (a peer's 8,306..13,319 tokens/s) can be read step by step like ours."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from finetune_flows.data.packing import PadCollator
+
+    recipe = load_benchmark("peer_recipe")
+    seed = load_benchmark("seed_recipe")
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    rows = [{"input_ids": [1 + i] * (2 + i), "labels": [1 + i] * (2 + i)} for i in range(12)]
+    args = TrainingArguments(output_dir=str(tmp_path / "ckpt"), per_device_train_batch_size=2, max_steps=6,
+                             use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+                             remove_unused_columns=False)
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=PadCollator(0))
+    counter, clock = recipe.clocked(trainer)
+    result = seed.train_timed(trainer, counter, clock, 1, tmp_path)
+    assert len(result["step_seconds"]) == result["steps"] == 6
+    assert result["step_seconds"] == [round(sec, 4) for _, sec, _, _ in clock.steps]
