@@ -77,7 +77,7 @@ def finetune(config: FinetuneConfig) -> FinetuneResult:
     publish_eval(report)
     steps = {"prepare-dataset": data_step, "quantize-base-model": base_step, "train-adapter": train_step,
              "evaluate-adapter": eval_step} | ({"merge-adapter": merge_step} if merge_step else {})
-    result = finish_run(run_dir, train, report, steps, merged)
+    result = finish_run(run_dir, train, report, steps, merged, cfg.tracking.report_to)
     if cfg.tracking.mlflow_uri:
         log_to_mlflow(cfg, plan, result)
     return result

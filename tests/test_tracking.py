@@ -145,3 +145,18 @@ def test_logging_again_replaces_a_half_logged_run_and_keeps_a_finished_one(track
     assert tracking.log_to_mlflow(cfg, PLAN, result) == logged  # logged once: a further attempt finds it
     runs = client.search_runs([experiment], filter_string=f"tags.`finetune-flows.run_dir` = '{run_dir}'")
     assert [(r.info.run_id, r.info.status) for r in runs] == [(logged, "FINISHED")]
+
+
+def test_tensorboard_logs_reach_the_run_directory_only_where_report_to_asks_for_them(tmp_path):
+    """A cached adapter keeps the event files of the run that trained it; a rerun with report_to=none must not
+    copy them into its run directory (nor print a TensorBoard line)."""
+    trained = tmp_path / "adapter-entry"
+    (trained / "tensorboard").mkdir(parents=True)
+    (trained / "tensorboard" / "events.out.tfevents.1").write_bytes(b"x")
+    off, on = tmp_path / "off", tmp_path / "on"
+    off.mkdir(), on.mkdir()
+    none = load_config(None, ["tracking.report_to=none"]).tracking.report_to
+    assert tracking.copy_tensorboard_logs(trained, off, none) is None
+    assert not (off / "tensorboard").exists()
+    assert tracking.copy_tensorboard_logs(trained, on, ["tensorboard"]) == on / "tensorboard"
+    assert (on / "tensorboard" / "events.out.tfevents.1").exists()

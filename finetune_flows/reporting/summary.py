@@ -32,7 +32,7 @@ class FinetuneResult(BaseModel):
 
 
 def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, steps: dict[str, StepRun],
-               merged: ExportResult | None = None) -> FinetuneResult:
+               merged: ExportResult | None, report_to: list[str]) -> FinetuneResult:
     """Copy the adapter and the TensorBoard logs into the run directory, draw the plots, compare with the
     previous run, publish the run's artifacts, and write summary.json last (it marks the run complete)."""
     # Prefect here, not at the top: the engine imports without it
@@ -44,7 +44,7 @@ def finish_run(run_dir: Path, train: TrainResult, report: EvalReport, steps: dic
     result = FinetuneResult(run_dir=run_dir, adapter_path=adapter, train=train, eval=report, merged=merged,
                             cached_steps=[name for name, step in steps.items() if step.cached],
                             step_seconds={name: step.seconds for name, step in steps.items()},
-                            tensorboard_dir=copy_tensorboard_logs(train.output_dir, run_dir),
+                            tensorboard_dir=copy_tensorboard_logs(train.output_dir, run_dir, report_to),
                             plots=publish_plots(run_dir, train, report))
     result.previous_run = publish_comparison(run_dir, result.model_dump(mode="json"))
 

@@ -64,10 +64,11 @@ def check_tracking(cfg: FinetuneConfig) -> None:
         raise ConfigError(problems, "tracking")
 
 
-def copy_tensorboard_logs(train_output: Path, run_dir: Path) -> Path | None:
-    """`<run>/tensorboard/`: the event files of the training that produced this run's adapter."""
+def copy_tensorboard_logs(train_output: Path, run_dir: Path, report_to: list[str]) -> Path | None:
+    """`<run>/tensorboard/`: the event files of the training that produced this run's adapter, where this run's
+    `tracking.report_to` asks for TensorBoard (a cached adapter keeps the files of the run that trained it)."""
     source = Path(train_output) / "tensorboard"
-    if not source.is_dir():
+    if "tensorboard" not in report_to or not source.is_dir():
         return None
     shutil.copytree(source, run_dir / "tensorboard")
     return run_dir / "tensorboard"
