@@ -147,7 +147,7 @@ def test_logging_again_replaces_a_half_logged_run_and_keeps_a_finished_one(track
     assert [(r.info.run_id, r.info.status) for r in runs] == [(logged, "FINISHED")]
 
 
-def test_tensorboard_logs_reach_the_run_directory_only_where_report_to_asks_for_them(tmp_path):
+def test_tensorboard_logs_reach_the_run_directory_only_where_report_to_asks_for_them(tmp_path, caplog):
     """A cached adapter keeps the event files of the run that trained it; a rerun with report_to=none must not
     copy them into its run directory (nor print a TensorBoard line)."""
     trained = tmp_path / "adapter-entry"
@@ -160,3 +160,8 @@ def test_tensorboard_logs_reach_the_run_directory_only_where_report_to_asks_for_
     assert not (off / "tensorboard").exists()
     assert tracking.copy_tensorboard_logs(trained, on, ["tensorboard"]) == on / "tensorboard"
     assert (on / "tensorboard" / "events.out.tfevents.1").exists()
+    untracked = tmp_path / "untracked-entry"  # trained with report_to=none: a rerun asking for TensorBoard is told
+    untracked.mkdir()
+    with caplog.at_level("INFO", logger="finetune_flows"):
+        assert tracking.copy_tensorboard_logs(untracked, tmp_path / "on", ["tensorboard"]) is None
+    assert "a cached adapter trained without tracking.report_to=tensorboard" in caplog.text
