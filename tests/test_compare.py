@@ -91,3 +91,23 @@ def test_the_settings_in_which_the_two_runs_differ_are_named_beside_the_verdicts
             "['q_proj']; `train.max_steps` 40 -> 20\n") in text
     (tonight / "config.resolved.yaml").write_text((previous / "config.resolved.yaml").read_text())
     assert "Settings that differ" not in render_comparison(tonight, previous)
+
+
+def test_the_command_read_through_a_closed_pipe_ends_quietly(tmp_path):
+    """`python -m finetune_flows.reporting.compare | head` where the reader is gone: rc 1 and a BrokenPipeError
+    traceback before; the output now ends quietly, as the CLI's --help-config does."""
+    import os
+    import subprocess
+    import sys
+
+    make_run(tmp_path, "nightly", "20261129-013000", summary(0.2, 0.8))
+    make_run(tmp_path, "nightly", "20261130-013000", summary(0.3, 0.7))
+    read, write = os.pipe()
+    os.close(read)  # the reader stopped before the table was written
+    try:
+        done = subprocess.run([sys.executable, "-m", "finetune_flows.reporting.compare", "--output-dir", str(tmp_path)],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parent.parent)
+    finally:
+        os.close(write)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from finetune_flows.cli import print_to_pipe
 from finetune_flows.config.schema import dotted
 from finetune_flows.files import write_atomic
 
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         current = done[-1]
         previous = previous_run(current)
-    print(render_comparison(current.resolve(), previous.resolve() if previous else None))
+    print_to_pipe(render_comparison(current.resolve(), previous.resolve() if previous else None))  # `| head`
     return 0
 
 
