@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -165,3 +166,69 @@ def test_tensorboard_logs_reach_the_run_directory_only_where_report_to_asks_for_
     with caplog.at_level("INFO", logger="finetune_flows"):
         assert tracking.copy_tensorboard_logs(untracked, tmp_path / "on", ["tensorboard"]) is None
     assert "a cached adapter trained without tracking.report_to=tensorboard" in caplog.text
+
+
+STOPPED_LOGGER = """
+import sys
+from pathlib import Path
+from finetune_flows.cli import stop_on_signals
+from finetune_flows.config.schema import load_config
+from finetune_flows.reporting import tracking
+from finetune_flows.config.plan import Plan
+from finetune_flows.reporting.summary import FinetuneResult
+
+PLAN = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa", eval_attn="sdpa")
+
+result = FinetuneResult.model_validate_json(Path(sys.argv[2]).read_text())
+with stop_on_signals():  # the CLI's: SIGTERM raises Stopped, as it does in a run
+    tracking.log_to_mlflow(load_config(None, [f"tracking.mlflow_uri={sys.argv[1]}"]), PLAN, result)
+"""
+
+
+def test_a_stop_while_logging_to_mlflow_leaves_no_half_logged_run(tmp_path):
+    """SIGTERM to a run while it logged to MLflow left its MLflow run RUNNING for good, half-logged (metrics, no
+    artifacts): a rerun logs from a new run directory, so nothing ever replaced it."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from conftest import child_env
+    from finetune_flows.evaluation.evaluate import EvalReport, ModelScores
+    from finetune_flows.reporting.summary import FinetuneResult
+    from finetune_flows.training.train import TrainResult
+
+    run_dir, adapter = tmp_path / "runs" / "demo-stopped", tmp_path / "adapter"
+    for directory in (run_dir, adapter):
+        directory.mkdir(parents=True)
+    (run_dir / "config.resolved.yaml").write_text("{}\n")
+    (run_dir / "eval.json").write_text("{}\n")
+    (adapter / "adapter_config.json").write_text("{}\n")
+    steps = 200_000  # 200 batches of metrics: the logging lasts seconds, so the signal lands inside it
+    train = TrainResult(adapter_path=adapter, output_dir=adapter, fingerprint="f", steps=steps, world_size=1,
+                        device="cpu", loss_curve=[(s, 1.0) for s in range(1, steps + 1)], first_loss=1.0,
+                        final_loss=1.0, tokens_per_second=1.0, train_tokens=1, train_seconds=1.0, peak_memory_mb=1.0,
+                        resumed_from_step=None)
+    scores = ModelScores(loss=1.0, perplexity=2.7, generation_score=0.0, generated=1, generate_seconds=1.0)
+    report = EvalReport(base=scores, adapter=scores, metric="exact_match", attn_implementation="sdpa", device="cpu",
+                        eval_rows=1, samples=[], path=run_dir / "eval.json")
+    result = FinetuneResult(run_dir=run_dir, adapter_path=adapter, cached_steps=[], train=train, eval=report)
+    (tmp_path / "result.json").write_text(result.model_dump_json())
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    client.create_experiment("finetune-flows", artifact_location=str(tmp_path / "artifacts"))
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED_LOGGER, uri, str(tmp_path / "result.json")],
+                            env=child_env(), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        experiment = client.get_experiment_by_name("finetune-flows").experiment_id
+        deadline = time.monotonic() + 120
+        while not client.search_runs([experiment]):  # the MLflow run exists: logging is under way
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, f"the logging finished before the signal: {output[-2000:]}"
+    left = [(r.info.run_name, r.info.status) for r in client.search_runs([experiment])]
+    assert left == [], f"a stopped logging left MLflow runs behind: {left}\n{output[-2000:]}"

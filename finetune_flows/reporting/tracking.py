@@ -143,30 +143,38 @@ def _log(cfg: FinetuneConfig, plan: Plan, result) -> str:
         pass
     run = client.create_run(experiment_id, run_name=run_dir.name, tags=tags)
     run_id = run.info.run_id
-    now = int(time.time() * 1000)
-    settings = {**dotted(cfg.model_dump(mode="json")), **dotted(plan.model_dump(mode="json"), "plan.")}
-    params = [Param(k, str(v)[:6000]) for k, v in settings.items()]  # MLflow's limit on a param value
-    metrics = [Metric("train/loss", loss, now, step) for step, loss in train.loss_curve]
-    metrics += [Metric(f"train/{k}", float(getattr(train, k)), now, train.steps)
-                for k in ("tokens_per_second", "peak_memory_mb", "train_seconds", "final_loss")]
-    for name, scores in (("base", report.base), ("adapter", report.adapter)):
-        metrics += [Metric(f"eval/{name}_loss", scores.loss, now, train.steps),
-                    Metric(f"eval/{name}_perplexity", scores.perplexity, now, train.steps)]
-        if scores.generation_score is not None:
-            metrics.append(Metric(f"eval/{name}_{report.metric}", scores.generation_score, now, train.steps))
-    for start in range(0, len(params), 100):  # MLflow's batch limits: 100 params, 1000 metrics
-        client.log_batch(run_id, params=params[start:start + 100])
-    for start in range(0, len(metrics), 1000):
-        client.log_batch(run_id, metrics=metrics[start:start + 1000])
-    table = report.table()
-    client.log_table(run_id, {key: [row[key] for row in table] for key in table[0]}, "eval_table.json")
-    client.log_dict(run_id, plan.model_dump(mode="json"), "plan.json")
-    client.log_artifact(run_id, str(run_dir / "config.resolved.yaml"))
-    client.log_artifact(run_id, str(run_dir / "eval.json"))
-    if (run_dir / "plots").is_dir():
-        client.log_artifacts(run_id, str(run_dir / "plots"), "plots")
-    client.log_artifacts(run_id, str(result.adapter_path), "adapter")
-    client.set_terminated(run_id, "FINISHED")
+    try:
+        now = int(time.time() * 1000)
+        settings = {**dotted(cfg.model_dump(mode="json")), **dotted(plan.model_dump(mode="json"), "plan.")}
+        params = [Param(k, str(v)[:6000]) for k, v in settings.items()]  # MLflow's limit on a param value
+        metrics = [Metric("train/loss", loss, now, step) for step, loss in train.loss_curve]
+        metrics += [Metric(f"train/{k}", float(getattr(train, k)), now, train.steps)
+                    for k in ("tokens_per_second", "peak_memory_mb", "train_seconds", "final_loss")]
+        for name, scores in (("base", report.base), ("adapter", report.adapter)):
+            metrics += [Metric(f"eval/{name}_loss", scores.loss, now, train.steps),
+                        Metric(f"eval/{name}_perplexity", scores.perplexity, now, train.steps)]
+            if scores.generation_score is not None:
+                metrics.append(Metric(f"eval/{name}_{report.metric}", scores.generation_score, now, train.steps))
+        for start in range(0, len(params), 100):  # MLflow's batch limits: 100 params, 1000 metrics
+            client.log_batch(run_id, params=params[start:start + 100])
+        for start in range(0, len(metrics), 1000):
+            client.log_batch(run_id, metrics=metrics[start:start + 1000])
+        table = report.table()
+        client.log_table(run_id, {key: [row[key] for row in table] for key in table[0]}, "eval_table.json")
+        client.log_dict(run_id, plan.model_dump(mode="json"), "plan.json")
+        client.log_artifact(run_id, str(run_dir / "config.resolved.yaml"))
+        client.log_artifact(run_id, str(run_dir / "eval.json"))
+        if (run_dir / "plots").is_dir():
+            client.log_artifacts(run_id, str(run_dir / "plots"), "plots")
+        client.log_artifacts(run_id, str(result.adapter_path), "adapter")
+        client.set_terminated(run_id, "FINISHED")
+    except BaseException:  # a stop (Ctrl-C, SIGTERM) or a failure: no half-logged run stays RUNNING for good (a
+        # rerun logs from a new run directory, so nothing would ever replace it); the next attempt logs it whole
+        try:
+            client.delete_run(run_id)
+        except Exception:  # the server is gone: the next attempt of this run directory replaces it
+            pass
+        raise
     run_logger().info("logged to MLflow %s: experiment %r, run %s (%s)", redact_uri(cfg.tracking.mlflow_uri),
                       cfg.tracking.mlflow_experiment, run_dir.name, run_id)
     return run_id
