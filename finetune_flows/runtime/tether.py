@@ -1,9 +1,9 @@
 """`python -m finetune_flows.runtime.tether --parent PID -- COMMAND...`: run COMMAND for as long as PID lives.
 
-`make server` and `make worker` start the Prefect server and worker through this. make ends its recipe's process on
-SIGTERM, and a terminal's Ctrl-C reaches the whole process group, but when make itself is SIGKILLed (a supervisor's
-escalation, the OOM killer) nothing told its child: the server or worker ran on, orphaned, the worker still taking
-runs. Here:
+`make server`, `make worker` and `make run` start the Prefect server, worker and run through this. make ends its
+recipe's process on SIGTERM, and a terminal's Ctrl-C reaches the whole process group, but when make itself is
+SIGKILLed (a supervisor's escalation, the OOM killer) nothing told its child: the server or worker ran on, orphaned,
+the worker still taking runs. Here:
 - this process gets SIGTERM when PID dies, by any signal (PR_SET_PDEATHSIG), and leaves at once if PID is already
   gone;
 - the first SIGTERM is passed on to COMMAND once (make also sends its own before it dies: a second one would make
