@@ -92,7 +92,8 @@ def _lease_holder():
 def _report_waiting(done: threading.Event, logger, label: str, started: float) -> None:
     interval = WAIT_REPORT_SECONDS
     while not done.wait(interval):
-        logger.info("still waiting for device slot(s) %s: %.0f s so far (another run holds the device)", label,
+        logger.info("still waiting for device slot(s) %s: %.0f s so far (another run holds the device, or a run "
+                    "that was killed does until its lease expires, about five minutes)", label,
                     time.monotonic() - started)
         interval = min(2 * interval, MAX_WAIT_REPORT_SECONDS)
 
