@@ -43,7 +43,8 @@ def _packed(tokens: int, accumulation: int) -> TrainingPlan:
 
 def _steps(schedule) -> list[list[int]]:
     per = schedule.accumulation
-    return [sorted(i for mb in schedule.micro_batches[s * per:(s + 1) * per] for i in mb) for s in range(schedule.steps)]
+    batches = schedule.micro_batches
+    return [sorted(i for mb in batches[s * per:(s + 1) * per] for i in mb) for s in range(schedule.steps)]
 
 
 def test_a_resumed_run_trains_the_rows_its_checkpoints_were_trained_with_whatever_memory_plans_now(tmp_path):

@@ -109,8 +109,9 @@ def log_to_mlflow(cfg: FinetuneConfig, plan: Plan, result, attempts: int = ATTEM
     try:
         return _log(cfg, plan, result)
     except Exception as exc:
-        raise NotLogged(f"the run is complete in {result.run_dir}, but MLflow at {redact_uri(cfg.tracking.mlflow_uri)} did not "
-                        f"take it ({first_line(exc)[:300]}); run the same command again once the server answers: "
+        raise NotLogged(f"the run is complete in {result.run_dir}, but MLflow at "
+                        f"{redact_uri(cfg.tracking.mlflow_uri)} did not take it ({first_line(exc)[:300]}); run the "
+                        "same command again once the server answers: "
                         "every step is reused and the run is logged") from None
 
 
