@@ -224,7 +224,9 @@ def test_train_adapter_row(tmp_path, monkeypatch):
     keys = Keys(lambda cfg: train_key(cfg, dataset(), base_model(), PLAN), [])
     cfg = load_config(None)
     keys.assert_in_key(section_overrides("lora", LoraConfig, cfg))
-    keys.assert_in_key(section_overrides("train", TrainConfig, cfg, skip=TRAIN_KEYS_NOT_IN_CACHE_KEY))
+    keys.assert_in_key(section_overrides("train", TrainConfig, cfg, skip=TRAIN_KEYS_NOT_IN_CACHE_KEY | {"epochs"}))
+    by_epochs = Keys(lambda cfg: train_key(cfg, dataset(), base_model(), PLAN), ["train.max_steps=-1"])
+    by_epochs.assert_in_key(["train.epochs=0.5"])  # epochs count only there (a config refuses them beside max_steps)
     keys.assert_not_in_key([f"train.{k}={alternative(TrainConfig, k, getattr(cfg.train, k))}"
                             for k in sorted(TRAIN_KEYS_NOT_IN_CACHE_KEY)])
     assert train_key(cfg, dataset("d2"), base_model(), PLAN) != keys.reference

@@ -44,7 +44,7 @@ from finetune_flows.training.planner import TrainingPlan
 from finetune_flows.training.profiling import profiler_callback
 
 
-def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: float, keep: int):
+def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: float, keep: int | None = None):
     from transformers import TrainerCallback
 
     class Events(TrainerCallback):
@@ -85,7 +85,8 @@ def _callbacks(max_steps: int, collator, clock: StepClock, out: Path, started: f
                 ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
                 if ckpt.is_dir():
                     write_checkpoint_manifest(ckpt)
-                    rotate_checkpoints(ckpt.parent, keep)  # only now: the Trainer's own rotation ran before it
+                    if keep:  # only now: the Trainer's own rotation (off) ran before the manifest
+                        rotate_checkpoints(ckpt.parent, keep)
             if state.is_world_process_zero:
                 emit_event("checkpoint", step=state.global_step)
 
