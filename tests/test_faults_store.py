@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -110,13 +113,40 @@ def test_four_identical_runs_started_at_once_train_once_and_all_finish(prefect_s
         argv += ["--set", override]
     procs = [subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(4)]
-    outputs = [p.communicate(timeout=1200)[0] for p in procs]
+    lines: list[list[str]] = [[] for _ in procs]
+    readers = [threading.Thread(target=lambda p=p, out=out: out.extend(p.stdout), daemon=True)
+               for p, out in zip(procs, lines)]
+    for reader in readers:
+        reader.start()
+    # Four processes on two loaded cores start seconds apart, and the tiny training is quick: the first producer
+    # could finish before another run asks for the adapter. Pausing the producer once its worker starts (it holds
+    # the adapter's lock) makes the others meet the lock, however late they come.
+    deadline = time.monotonic() + 900
+    producer = None
+    try:
+        while producer is None and time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            producer = next((p for p, out in zip(procs, lines) if any("starting train worker" in ln for ln in out)),
+                            None)
+            time.sleep(0.2)
+        assert producer is not None, "no run started its training worker"
+        producer.send_signal(signal.SIGSTOP)
+        waiting = lambda: sum(any("waiting for adapters/" in ln for ln in out) for out in lines)  # noqa: E731
+        while waiting() < 3 and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+    finally:
+        if producer is not None:
+            producer.send_signal(signal.SIGCONT)
+    for proc in procs:
+        proc.wait(timeout=1200)
+    for reader in readers:
+        reader.join(timeout=60)
+    outputs = ["".join(out) for out in lines]
     for proc, out in zip(procs, outputs):
         assert proc.returncode == 0, out[-4000:]
     text = "\n".join(outputs)
     for step in ("quantize", "train", "evaluate"):
         assert text.count(f"starting {step} worker") == 1, f"{step} ran {text.count(f'starting {step} worker')} times"
-    assert "waiting for adapters/" in text, "no run waited for the training lock: the test proved nothing"
+    assert sum("waiting for adapters/" in out for out in outputs) == 3, "the other runs did not wait for the lock"
     run_dirs = [Path(json.loads(out.strip().splitlines()[-1])["run_dir"]) for out in outputs]
     assert len(set(run_dirs)) == 4
     adapters = {(d / "adapter" / "adapter_model.safetensors").read_bytes() for d in run_dirs}
