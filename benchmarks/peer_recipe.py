@@ -9,7 +9,10 @@ Each runs in a process of its own, with the peers' own site on PYTHONPATH (Unslo
   (LoRA dropout 0, its own padding-free choice), TRL's `SFTTrainer` as Unsloth patches it;
 - `trl`: TRL's `SFTTrainer` loading the checkpoint itself with bitsandbytes NF4 (double quantization, bf16 compute),
   `padding_free=True`, `use_liger_kernel=True`, PEFT LoRA r=16 alpha=32 dropout 0 on the 7 projections;
-- `trl-bf16`: the same on the bf16 base.
+- `trl-padded`: the same as `trl` with TRL's default batches (`padding_free=False`: each batch padded to its longest
+  row). TRL says padding-free works reliably only with flash-attention, which the sdpa runs here lack: this row is
+  the user who keeps TRL's default;
+- `trl-bf16`: the same as `trl` on the bf16 base.
 
 TRL's gradient checkpointing (its default) is on under a memory budget and off without one (the faster choice where
 memory allows). Every peer trains the bench's rows with the same effective batch (8 rows x the accumulation), steps,
@@ -27,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-PEERS = ("unsloth", "trl", "trl-bf16")
+PEERS = ("unsloth", "trl", "trl-padded", "trl-bf16")
 
 
 def first_imports(job_path: str) -> dict:
@@ -112,28 +115,36 @@ def build_unsloth(job: dict, rows):
                      f"padding-free {bool(getattr(trainer.args, 'padding_free', False))}")
 
 
-def build_trl(job: dict, rows, bf16_base: bool, on_gpu: bool):
+def trl_settings(peer: str, job: dict, on_gpu: bool) -> dict:
+    """What a TRL row sets beyond sft_config: the base (NF4, or bf16 for `trl-bf16`), padding-free batches (not for
+    `trl-padded`), Liger (Triton kernels: CUDA only) and gradient checkpointing (TRL's default, kept under a memory
+    budget; off without one, the faster choice where memory allows)."""
+    return {"bf16_base": peer == "trl-bf16", "padding_free": peer != "trl-padded", "use_liger_kernel": on_gpu,
+            "gradient_checkpointing": bool(job.get("memory_budget_gib"))}
+
+
+def build_trl(job: dict, rows, on_gpu: bool):
     import torch
     import trl
     from peft import LoraConfig
     from transformers import AutoTokenizer, BitsAndBytesConfig
     from trl import SFTTrainer
 
+    settings = trl_settings(job["peer"], job, on_gpu)
+    bf16_base = settings.pop("bf16_base")
     dtype = torch.bfloat16 if on_gpu else torch.float32
     quant = None if bf16_base else BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
-    checkpointing = bool(job.get("memory_budget_gib"))
-    liger = on_gpu  # Liger's kernels are Triton: CUDA only
-    args = sft_config(job, on_gpu, padding_free=True, use_liger_kernel=liger, gradient_checkpointing=checkpointing,
-                      model_init_kwargs={"dtype": dtype, "attn_implementation": "sdpa",
-                                         "device_map": {"": 0 if on_gpu else "cpu"}})
+    args = sft_config(job, on_gpu, **settings, model_init_kwargs={
+        "dtype": dtype, "attn_implementation": "sdpa", "device_map": {"": 0 if on_gpu else "cpu"}})
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=PROJECTIONS, task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=job["model"], args=args, train_dataset=rows,
                          processing_class=AutoTokenizer.from_pretrained(job["model"]), quantization_config=quant,
                          peft_config=lora)
-    base = "bf16 base" if bf16_base else "NF4 base"
-    return trainer, (f"TRL {trl.__version__} SFTTrainer: {base}, padding-free, Liger {'on' if liger else 'off (CPU)'}, "
-                     f"gradient checkpointing {'on' if checkpointing else 'off'}, LoRA dropout 0, sdpa")
+    return trainer, (f"TRL {trl.__version__} SFTTrainer: {'bf16' if bf16_base else 'NF4'} base, "
+                     f"{'padding-free' if args.padding_free else 'padded'} batches, "
+                     f"Liger {'on' if args.use_liger_kernel else 'off (CPU)'}, "
+                     f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, LoRA dropout 0, sdpa")
 
 
 def main(job_path: str) -> None:
@@ -149,7 +160,7 @@ def main(job_path: str) -> None:
     if peer == "unsloth":
         trainer, layout = build_unsloth(job, rows)
     else:
-        trainer, layout = build_trl(job, rows, peer == "trl-bf16", on_gpu)
+        trainer, layout = build_trl(job, rows, on_gpu)
     counter, clock = clocked(trainer, device_events() if on_gpu else None)
     result = {
         "versions": versions(), **train_timed(trainer, counter, clock, job["warmup"], out),

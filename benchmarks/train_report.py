@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from finetune_flows.files import write_atomic, write_json  # noqa: E402 (needs the repository on sys.path)
 from finetune_flows.packages import installed_version  # noqa: E402
 
-PEERS = ("unsloth", "trl", "trl-bf16")  # benchmarks/peer_recipe.py
+PEERS = ("unsloth", "trl", "trl-padded", "trl-bf16")  # benchmarks/peer_recipe.py
 
 
 def budget_suffix(budget: int | None) -> str:

@@ -30,8 +30,8 @@ base: forward and input-gradient backward) plus causal attention, against 989 TF
 training, each adapter's eval loss on 200 held-out rows is measured the same way for every run.
 
 Peers (benchmarks/peer_recipe.py), rows of the same run: `unsloth` (Unsloth's QLoRA path), `trl` (TRL's SFTTrainer,
-padding-free, Liger, NF4 base) and `trl-bf16` (the same on a bf16 base), each in a process of its own whose
-PYTHONPATH is `--peer-site` (Unsloth pins an older transformers than this project's). `--budgets none,24` runs every
+padding-free, Liger, NF4 base), `trl-padded` (the same with TRL's default padded batches) and `trl-bf16` (`trl` on a
+bf16 base), each in a process of its own whose PYTHONPATH is `--peer-site` (Unsloth pins an older transformers than this project's). `--budgets none,24` runs every
 row once per memory budget (GiB of device memory; ours through `hardware.memory_budget_gib`, the seed and the peers
 through `torch.cuda.set_per_process_memory_fraction`), named `<run>-<shape>-<N>gib`. A row that fails (a peer that
 cannot run here, a run out of memory under its budget) is kept with its error and the bench goes on.

@@ -222,6 +222,22 @@ def test_a_peers_trainer_is_clocked_like_ours_and_counts_the_tokens_its_model_ra
     assert counter.tokens == sum(lengths) and all(seconds > 0 for _, seconds, _, _ in clock.steps)
 
 
+def test_each_trl_row_sets_its_own_base_batches_and_checkpointing():
+    """The TRL rows differ in one setting each from `trl`: the bf16 base, or TRL's default padded batches; gradient
+    checkpointing follows the budget, Liger the GPU. The report counts the same peers the recipe runs."""
+    recipe, report = load_benchmark("peer_recipe"), load_benchmark("train_report")
+    assert report.PEERS == recipe.PEERS
+    settings = {peer: recipe.trl_settings(peer, {"memory_budget_gib": None}, True)
+                for peer in ("trl", "trl-padded", "trl-bf16")}
+    assert settings == {
+        "trl": {"bf16_base": False, "padding_free": True, "use_liger_kernel": True, "gradient_checkpointing": False},
+        "trl-padded": {"bf16_base": False, "padding_free": False, "use_liger_kernel": True,
+                       "gradient_checkpointing": False},
+        "trl-bf16": {"bf16_base": True, "padding_free": True, "use_liger_kernel": True, "gradient_checkpointing": False}}
+    budgeted = recipe.trl_settings("trl-padded", {"memory_budget_gib": 24}, False)
+    assert budgeted["gradient_checkpointing"] and not budgeted["use_liger_kernel"]
+
+
 def test_the_unsloth_row_imports_unsloth_before_anything_imports_transformers(tmp_path):
     """Unsloth patches transformers fully only when it is imported first (it warns "Unsloth should be imported before
     [transformers]" and may run slower otherwise). It refuses to import without a GPU, so a stand-in on the path stops
