@@ -106,6 +106,53 @@ def test_signal_to_the_flow_process_stops_every_worker_frees_the_slot_and_the_ne
             result.train.last_attempt_tokens + first["tokens"])
 
 
+def test_a_rerun_after_a_sigkilled_flow_process_waits_for_its_ranks_to_finish_saving(prefect_server, cache, tmp_path):
+    """SIGKILL to the flow process frees the adapter entry's lock at once, while its ranks, told by their parent-death
+    signal, may still be saving a checkpoint there for up to hardware.stop_grace_seconds. A rerun must not train into
+    the same checkpoints meanwhile: it waits for those ranks (held back here with SIGSTOP, as a slow save would hold
+    them), then resumes from the checkpoint they saved."""
+    from prefect.settings import PREFECT_API_URL
+
+    from finetune_flows.runtime.lifecycle import FAULTS_ENV
+
+    env = child_env(PREFECT_API_URL=PREFECT_API_URL.value(), **{FAULTS_ENV: json.dumps({"step_seconds": 0.2})})
+    args = overrides(cache, tmp_path / "runs", **{"train.max_steps": 60, "train.save_steps": 100,
+                                                  "train.seed": 520, "hardware.stop_grace_seconds": 30})
+    first = start_cli(args, env, tmp_path / "first.log")
+    second = None
+    try:
+        out, rank = training_in_progress(cache, 520, min_step=3, run=first, log=tmp_path / "first.log")
+        workers = [m for m in tree(first.pid) if m.pid != first.pid]  # torchrun (or a fork), the ranks
+        assert rank in workers, workers
+        for m in workers:
+            m.signal(signal.SIGSTOP)
+        first.kill()
+        first.wait(timeout=30)
+        second = start_cli(args, env, tmp_path / "second.log")
+        deadline = time.monotonic() + 300
+        while "are still saving into it" not in (tmp_path / "second.log").read_text():
+            assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "second.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert "starting train worker" not in (tmp_path / "second.log").read_text()
+    finally:
+        for m in workers:
+            m.signal(signal.SIGCONT)
+        if first.poll() is None:
+            first.kill()
+    try:
+        assert second.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    finally:
+        if second.poll() is None:
+            second.kill()
+    assert not [m for m in workers if m.is_running()]
+    log = (tmp_path / "second.log").read_text()
+    assert "earlier attempt's workers exited after" in log
+    saved = json.loads((out / "attempts.json").read_text())
+    resumed = [a for a in saved if a.get("resumed_from")]
+    assert resumed and resumed[-1]["resumed_from"] > 0, saved
+    assert "received SIGTERM: saving a checkpoint" in (out / "train.log").read_text()
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "SIGTERM"])
 def test_a_stop_of_a_run_on_its_temporary_server_ends_it_at_once_with_no_error_from_prefect(cache, tmp_path, how):
     """A terminal's Ctrl-C signals the whole foreground group: the flow process, its workers and (without

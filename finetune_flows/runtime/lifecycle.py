@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -151,9 +152,10 @@ class TrainingInterrupted(Exception):
 class GracefulStop:
     """SIGTERM/SIGINT set a flag; the training loop acts on it at the next step end (see stop_callback)."""
 
-    def __init__(self, grace: float):
+    def __init__(self, grace: float, log: Path | None = None):
         self.grace = grace
         self.requested = False
+        self.log = log  # the step's log, which the worker writes itself once its launcher is gone
 
     def install(self) -> GracefulStop:
         try:
@@ -167,6 +169,8 @@ class GracefulStop:
         if self.requested:
             return
         self.requested = True
+        if self.log is not None and _launcher_gone():
+            _output_to(self.log)
         # os.write, not print: the handler may interrupt a print of the main thread
         os.write(2, f"received {signal.Signals(signum).name}: saving a checkpoint at the end of this step, then "
                     f"stopping (at most {self.grace:.0f} s)\n".encode())
@@ -177,6 +181,20 @@ class GracefulStop:
     def _expire(self) -> None:
         os.write(2, f"did not stop within {self.grace:.0f} s of the signal: exiting now\n".encode())
         os._exit(INTERRUPTED_EXIT)
+
+
+def _launcher_gone() -> bool:
+    launcher = ProcessId.parse(os.environ.get(LAUNCHER_ENV, ""))
+    return launcher is not None and not launcher.is_running()
+
+
+def _output_to(log: Path) -> None:
+    """stdout and stderr appended to `log`: the pipe they were has no reader once the launcher is killed, and the
+    first line written to it (EPIPE) would end the worker before it saved its checkpoint."""
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def _any_rank(flag: bool) -> bool:
@@ -230,7 +248,7 @@ def training_callback(job: dict[str, Any], trainer):
     is nothing to save yet)."""
     from transformers import TrainerCallback
 
-    stop = GracefulStop(float(os.environ.get(GRACE_ENV, "60"))).install()
+    stop = GracefulStop(float(os.environ.get(GRACE_ENV, "60")), Path(job["workdir"]) / f"{job['step']}.log").install()
     faults = Faults.from_env(job)
     faults.install(trainer)
     rank = int(os.environ.get("RANK", 0))
@@ -436,12 +454,25 @@ def quiet_optional_hub_kernel_warning() -> None:
     logging.getLogger("kernels.hf_hub").addFilter(_OptionalHubKernelMiss())
 
 
+def hold_workers_lock(path: str | None) -> None:
+    """Hold the store entry's workers' lock (shared) until this process exits: the entry's next producer waits for
+    it, so a worker that outlives its stopped run finishes saving before another writes there (store/entries.py)."""
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # left open: the kernel releases it at exit
+    except OSError:  # a node that does not share the store's locks (a remote Ray node): nothing to hold here
+        return
+    fcntl.flock(fd, fcntl.LOCK_SH)
+
+
 def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
     """Entry point body for `python -m finetune_flows.<role>.<module> job.json`: run fn(job), write its result or
     report why it failed."""
     die_with_launcher()
     quiet_optional_hub_kernel_warning()
     job = json.loads(Path(sys.argv[1]).read_text())
+    hold_workers_lock(job.get("workers_lock"))
     workdir = Path(job["workdir"])
     step = job["step"]
     try:

@@ -93,6 +93,9 @@ class Entry:
         self.path = self.root / kind / key
         self.manifest_path = self.path / MANIFEST
         self.lock_path = self.root / LOCKS / f"{kind}--{key}.lock"
+        # held shared by the entry's workers while they live (runtime/lifecycle.py: hold_workers_lock), which may
+        # outlive a killed producer: a training worker told to stop still saves a checkpoint into the entry
+        self.workers_lock_path = self.root / LOCKS / f"{kind}--{key}.workers.lock"
         self.verified_path = self.root / VERIFIED / f"{kind}--{key}.json"
 
     @property
@@ -278,9 +281,37 @@ class Entry:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                       "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}).encode(), 0)
+            self._wait_for_workers()
             yield
         finally:
             os.close(fd)  # closing the only descriptor releases the flock
+
+
+    def _wait_for_workers(self) -> None:
+        """Wait until no worker of an earlier producer is left writing into the entry: the entry's lock dies with
+        its holder, while a worker it started may still be saving (up to hardware.stop_grace_seconds)."""
+        try:
+            fd = os.open(self.workers_lock_path, os.O_RDWR)
+        except FileNotFoundError:  # no producer of this entry started a worker that holds it
+            return
+        try:
+            if _try_lock(fd):
+                return
+            logger, started = run_logger(), time.monotonic()
+            logger.info("%s: the workers of an earlier attempt whose run was stopped are still saving into it: "
+                        "waiting for them to exit", self.label)
+            report_at, interval = started + WAIT_REPORT_SECONDS, WAIT_REPORT_SECONDS
+            while not _try_lock(fd):
+                time.sleep(LOCK_POLL_SECONDS)
+                if time.monotonic() >= report_at:
+                    logger.info("%s: still waiting for an earlier attempt's workers to exit: %.0f s so far",
+                                self.label, time.monotonic() - started)
+                    interval = min(2 * interval, MAX_WAIT_REPORT_SECONDS)
+                    report_at = time.monotonic() + interval
+            logger.info("%s: the earlier attempt's workers exited after %.1f s", self.label,
+                        time.monotonic() - started)
+        finally:
+            os.close(fd)
 
 
 def _try_lock(fd: int) -> bool:

@@ -191,7 +191,8 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
 
         def attempt(split: int, observe) -> None:
             job = write_train_job(out, cfg, planned, base, data, gpus.ids, entry.key, micro_batch_split=split,
-                                  compile_record={"cache": str(cfg.cache_root), "gpus": gpu_models(gpus)})
+                                  compile_record={"cache": str(cfg.cache_root), "gpus": gpu_models(gpus)},
+                                  workers_lock=str(entry.workers_lock_path))
             with ProgressReporter(cfg.train.max_steps) as progress:
                 run_worker("train", train_command(cfg, planned, job, entry.key),
                            training_env({**gpus.env, **compile_caches(cfg.cache_root, gpus)}), out,
