@@ -130,6 +130,26 @@ def test_rendered_job_requests_gpus_shared_memory_and_gpu_nodes_and_is_a_valid_j
     validate_k8s(without_prefect_pod_fields(job))
 
 
+def test_a_deployment_run_in_the_rendered_pod_passes_the_default_policy(tmp_path, monkeypatch):
+    """The pod has no policy file, so a deployment run there gets the safe defaults: their cache root must be the
+    pod's FINETUNE_FLOWS_CACHE (the claim at /cache), or every run is refused before it starts."""
+    import finetune_flows.runtime.policy as policy_mod
+
+    container = rendered_job(template(), {})["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    monkeypatch.delenv(policy_mod.POLICY_ENV, raising=False)
+    for name in ("FINETUNE_FLOWS_CACHE", "FINETUNE_FLOWS_ROOT"):
+        monkeypatch.setenv(name, env[name])
+    monkeypatch.chdir(tmp_path)  # stands in for FINETUNE_FLOWS_ROOT, where the pull step puts the run
+    monkeypatch.setattr(policy_mod._Decision, "secrets_allowed", None)
+    # a deployment run whose job variables set nothing of the host's (read from the server, which is not here)
+    monkeypatch.setattr(policy_mod, "in_deployment_run", lambda: True)
+    monkeypatch.setattr(policy_mod, "refuse_host_settings_in_job_variables", lambda: None)
+    assert policy_mod.current_policy().cache_roots == [Path("/cache")]
+    cfg = policy_mod.checked_config(None, ["model.source=generated:tiny-llama"])
+    assert cfg.cache_root == Path("/cache")
+
+
 def test_a_misspelled_field_in_the_job_template_is_caught():
     tpl = template()
     pod = tpl["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]

@@ -175,6 +175,28 @@ def test_local_runs_without_a_policy_keep_their_freedom(monkeypatch):
     assert cfg.model.trust_remote_code and policy_mod.secrets_allowed()
 
 
+def test_deployment_runs_without_a_policy_get_the_safe_defaults_with_the_hosts_cache(tmp_path, monkeypatch):
+    """A worker (or a Kubernetes pod) without FINETUNE_FLOWS_POLICY whose FINETUNE_FLOWS_CACHE names its cache: its
+    deployment runs may use that cache, as `make worker`'s written defaults would allow; a run cannot set it."""
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    monkeypatch.setenv("FINETUNE_FLOWS_CACHE", str(tmp_path / "shared"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(policy_mod._Decision, "secrets_allowed", None)
+    monkeypatch.setattr(policy_mod, "in_deployment_run", lambda: True)
+    monkeypatch.setattr(policy_mod, "refuse_host_settings_in_job_variables", lambda: None)  # (needs a server)
+    saved = dict(os.environ)
+    try:
+        assert checked_config(None, ["model.source=generated:tiny-llama"]).cache_root == tmp_path / "shared"
+        assert current_policy().output_roots == [tmp_path / "runs"]
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    found = policy_mod.host_setting_problems({"the deployment's": None,
+                                              "the run's": {"env": {"FINETUNE_FLOWS_CACHE": "/home/me/.ssh"}}})
+    assert found == ["the run's job variables set env FINETUNE_FLOWS_CACHE: the cache root is the worker host's "
+                     "to choose, not a run's"]
+
+
 def test_make_worker_writes_the_safe_defaults_once(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "etc" / "policy.yaml"

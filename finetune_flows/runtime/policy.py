@@ -22,8 +22,9 @@ the defaults below) says what such a run may do:
 
 Paths are resolved (symlinks, `..`) before they are compared; relative roots are relative to the policy file.
 A run that asks for more is refused before anything is read or written, with one message naming each key and
-the policy. Without `FINETUNE_FLOWS_POLICY`, a deployment run gets these defaults (fail closed) and a local CLI
-run keeps its freedom. The policy path is the worker host's: a deployment run whose job variables set it is refused.
+the policy. Without `FINETUNE_FLOWS_POLICY`, a deployment run gets these defaults (fail closed; the cache root is
+the host's FINETUNE_FLOWS_CACHE, if set) and a local CLI run keeps its freedom. The policy path and the cache root are
+the worker host's: a deployment run whose job variables set either is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from finetune_flows.errors import UserInputError, redact_uri
 from finetune_flows.logs import run_logger
 
 POLICY_ENV = "FINETUNE_FLOWS_POLICY"
+CACHE_ENV = "FINETUNE_FLOWS_CACHE"
 DEFAULT_CACHE = "~/.cache/finetune-flows"
 # Environment variables treated as secrets: tokens, keys, passwords, credentials (TOKENIZERS_PARALLELISM is not).
 SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|AUTH_STRING|CREDENTIALS?)($|_)")
@@ -115,8 +117,8 @@ def current_policy() -> Policy | None:
     path = os.environ.get(POLICY_ENV)
     if path:
         return read_policy(Path(path).expanduser())
-    if deployed:
-        return Policy.safe_defaults(Path.cwd())
+    if deployed:  # the cache the host names (a Kubernetes pod's claim at /cache); job variables cannot set it
+        return Policy.safe_defaults(Path.cwd(), os.environ.get(CACHE_ENV))
     return None
 
 
@@ -135,18 +137,27 @@ def refuse_host_settings_in_job_variables() -> None:
     with get_client(sync_client=True) as client:
         sources = {"the deployment's": client.read_deployment(UUID(str(deployment.id))).job_variables,
                    "the run's": flow_run.job_variables}
-    problems = []
-    for whose, variables in sources.items():
-        variables = variables or {}
-        if POLICY_ENV in (variables.get("env") or {}):
-            problems.append(f"{whose} job variables set env {POLICY_ENV}: the worker policy is the worker host's "
-                            "to choose, not a run's")
-        if variables.get("command"):
-            problems.append(f"{whose} job variables set command: how the flow process starts is the worker "
-                            "host's to choose, not a run's")
+    problems = host_setting_problems(sources)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise PolicyError(f"refused by the worker policy (the worker's {POLICY_ENV}):\n{lines}")
+
+
+def host_setting_problems(sources: dict[str, dict | None]) -> list[str]:
+    """What job variables ({whose: variables}) set of the worker host's own settings: the policy path, the cache
+    root (the safe defaults allow writing there) and the command."""
+    problems = []
+    for whose, variables in sources.items():
+        variables = variables or {}
+        for name in (POLICY_ENV, CACHE_ENV):
+            if name in (variables.get("env") or {}):
+                what = "the worker policy" if name == POLICY_ENV else "the cache root"
+                problems.append(f"{whose} job variables set env {name}: {what} is the worker host's to choose, "
+                                "not a run's")
+        if variables.get("command"):
+            problems.append(f"{whose} job variables set command: how the flow process starts is the worker "
+                            "host's to choose, not a run's")
+    return problems
 
 
 # ---------------------------------------------------------------- checks
