@@ -130,6 +130,17 @@ def test_rendered_job_requests_gpus_shared_memory_and_gpu_nodes_and_is_a_valid_j
     validate_k8s(without_prefect_pod_fields(job))
 
 
+def test_run_directories_outlive_the_pod():
+    """A run writes `runs/<run>/` under FINETUNE_FLOWS_ROOT (the pull step's directory): that must be the claim, not
+    the container's own disk, or the adapter, config.resolved.yaml and the nightly's previous runs vanish with it."""
+    pod = rendered_job(template(), {})["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    runs = next(m for m in container["volumeMounts"] if m["mountPath"] == f"{env['FINETUNE_FLOWS_ROOT']}/runs")
+    volume = next(v for v in pod["volumes"] if v["name"] == runs["name"])
+    assert volume["persistentVolumeClaim"]["claimName"] == "finetune-flows-cache" and runs["subPath"] == "runs"
+
+
 def test_a_deployment_run_in_the_rendered_pod_passes_the_default_policy(tmp_path, monkeypatch):
     """The pod has no policy file, so a deployment run there gets the safe defaults: their cache root must be the
     pod's FINETUNE_FLOWS_CACHE (the claim at /cache), or every run is refused before it starts."""
