@@ -141,23 +141,27 @@ def test_run_directories_outlive_the_pod():
     assert volume["persistentVolumeClaim"]["claimName"] == "finetune-flows-cache" and runs["subPath"] == "runs"
 
 
-def test_a_deployment_run_in_the_rendered_pod_passes_the_default_policy(tmp_path, monkeypatch):
-    """The pod has no policy file, so a deployment run there gets the safe defaults: their cache root must be the
-    pod's FINETUNE_FLOWS_CACHE (the claim at /cache), or every run is refused before it starts."""
+@pytest.mark.parametrize("ray_address", ["auto", "ray://finetune-ray-head-svc:10001"])
+def test_a_deployment_run_in_the_rendered_pod_passes_the_pods_policy(tmp_path, monkeypatch, ray_address):
+    """The pod's environment names the policy shipped in the image (worker-policy.yaml): a run there may use the
+    claim at /cache, write its run directory and train on raycluster.yaml's cluster through its head service."""
     import finetune_flows.runtime.policy as policy_mod
 
     container = rendered_job(template(), {})["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    monkeypatch.delenv(policy_mod.POLICY_ENV, raising=False)
-    for name in ("FINETUNE_FLOWS_CACHE", "FINETUNE_FLOWS_ROOT"):
-        monkeypatch.setenv(name, env[name])
-    monkeypatch.chdir(tmp_path)  # stands in for FINETUNE_FLOWS_ROOT, where the pull step puts the run
+    image_root = env["FINETUNE_FLOWS_ROOT"]
+    for name in ("FINETUNE_FLOWS_CACHE", "FINETUNE_FLOWS_ROOT", "FINETUNE_FLOWS_POLICY"):
+        monkeypatch.setenv(name, env[name].replace(image_root, str(REPO)))  # this checkout stands in for the image
+    monkeypatch.chdir(REPO)  # FINETUNE_FLOWS_ROOT, where the pull step puts the run
     monkeypatch.setattr(policy_mod._Decision, "secrets_allowed", None)
     # a deployment run whose job variables set nothing of the host's (read from the server, which is not here)
     monkeypatch.setattr(policy_mod, "in_deployment_run", lambda: True)
     monkeypatch.setattr(policy_mod, "refuse_host_settings_in_job_variables", lambda: None)
-    assert policy_mod.current_policy().cache_roots == [Path("/cache")]
-    cfg = policy_mod.checked_config(None, ["model.source=generated:tiny-llama"])
+    policy = policy_mod.current_policy()
+    assert policy.source == str(K8S / "worker-policy.yaml")
+    assert policy.cache_roots == [Path("/cache")] and policy.output_roots == [REPO / "runs"]
+    cfg = policy_mod.checked_config(None, ["model.source=generated:tiny-llama", "hardware.launcher=ray",
+                                           f"hardware.ray_address={ray_address}"])
     assert cfg.cache_root == Path("/cache")
 
 
