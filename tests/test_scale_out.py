@@ -198,6 +198,23 @@ def test_scale_out_benchmark_smoke_run_writes_the_report(shared_cache, tmp_path)
     assert "| fsdp | 2 | float32 |" in (out / "report.md").read_text()
 
 
+@pytest.mark.timeout(600)
+def test_more_ranks_than_packs_is_refused_before_any_rank_starts(prefect_server, shared_cache, tmp_path):
+    """108 rows of ~76 tokens fill one pack of 120 rows' tokens: 2 ranks cannot take one optimizer step. Refused
+    from the training plan, naming the ranks, before torchrun starts ranks that would each load the model first."""
+    from finetune_flows.errors import UserInputError
+
+    cache = shared_cache / "scale"
+    earlier = set((cache / "adapters").glob("*"))
+    with pytest.raises(UserInputError, match=r"make 1 packs .* fewer than one optimizer step needs \(1 per rank x 2 "
+                                             r"ranks\)\. Train on fewer ranks \(hardware\.cpu_processes"):
+        finetune(tiny_config(cache, tmp_path, **{"hardware.cpu_processes": 2, "train.per_device_batch_size": 120,
+                                                 "train.retries": 0}))
+    new_entries = set((cache / "adapters").glob("*")) - earlier  # what this run wrote: the refused entry at most
+    started = [p for e in new_entries for p in e.iterdir() if p.name in ("torchrun", "train.job.json", "train.log")]
+    assert not started, started
+
+
 def test_two_process_torchrun_on_cpu(two_rank_reference):
     """The single-host reference itself: 2 gloo ranks under torchrun, each taking every step (DDP)."""
     train = two_rank_reference.train

@@ -73,6 +73,16 @@ class PackSchedule:
         return len(self.micro_batches)
 
 
+def first_packs(lengths: Sequence[int], budget: int, accumulation: int, world: int, seed: int) -> list[list[int]]:
+    """The first epoch's packs; ValueError where they are fewer than one optimizer step takes (`accumulation` per
+    rank on each of `world` ranks). Cheap: the training step checks it before any rank starts."""
+    first = fill_packs(lengths, _shuffled(len(lengths), seed, 0), budget)
+    if len(first) < accumulation * world:
+        raise ValueError(f"{len(lengths)} rows make {len(first)} packs of <= {budget} tokens, fewer than one "
+                         f"optimizer step needs ({accumulation} per rank x {world} ranks)")
+    return first
+
+
 def build_schedule(lengths: Sequence[int], budget: int, accumulation: int, world: int, seed: int,
                    max_steps: int, epochs: float = 1.0, split: int = 1) -> PackSchedule:
     """Packs for `max_steps` optimizer steps (or `epochs` when max_steps is -1), in sampler order.
@@ -83,10 +93,7 @@ def build_schedule(lengths: Sequence[int], budget: int, accumulation: int, world
     if budget < 1 or accumulation < 1 or world < 1 or split < 1:
         raise ValueError(f"invalid schedule: budget={budget} accumulation={accumulation} world={world} split={split}")
     per_step = accumulation * world
-    first = fill_packs(lengths, _shuffled(len(lengths), seed, 0), budget)
-    if len(first) < per_step:
-        raise ValueError(f"{len(lengths)} rows make {len(first)} packs of <= {budget} tokens, fewer than one "
-                         f"optimizer step needs ({accumulation} per rank x {world} ranks)")
+    first = first_packs(lengths, budget, accumulation, world, seed)
     steps = max_steps if max_steps > 0 else max(1, math.floor(len(first) / per_step * epochs))
     packs = list(first)
     epoch = 1

@@ -134,6 +134,22 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     return tplan
 
 
+def check_one_step(cfg: FinetuneConfig, data: PreparedDataset, tplan: TrainingPlan, world: int) -> None:
+    """Refuse, before any rank starts and loads the model, training data whose packs cannot fill one optimizer step
+    on every rank (more ranks than packs): each rank would load the model only to fail on it."""
+    if not tplan.packing:
+        return
+    from finetune_flows.data.packing import first_packs  # here: packing imports transformers, which the flow need not
+
+    try:
+        first_packs(row_lengths(data), tplan.micro_batch_tokens, tplan.gradient_accumulation_steps, world,
+                    cfg.train.seed)
+    except ValueError as exc:
+        raise UserInputError(
+            f"training data: {exc}. Train on fewer ranks (hardware.cpu_processes on the CPU, hardware.gpus), with a "
+            "smaller train.per_device_batch_size or train.gradient_accumulation_steps, or on more rows") from None
+
+
 def publish_training_plan(tplan: TrainingPlan, cached: bool = False) -> None:
     """The plan in the run's log and as the `training-plan` artifact; `cached`: the plan a reused adapter was trained
     with, which this machine's free memory today may not repeat."""
@@ -188,6 +204,7 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
             if cfg.hardware.strategy == "fsdp" and planned.strategy == "ddp":
                 run_logger().warning(planned.strategy_choice)
         publish_training_plan(tplan)
+        check_one_step(cfg, data, tplan, world_size(cfg, planned))
 
         def attempt(split: int, observe) -> None:
             job = write_train_job(out, cfg, planned, base, data, gpus.ids, entry.key, micro_batch_split=split,
