@@ -82,6 +82,13 @@ def test_error_lines_compare_across_attempts():
                 "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"]
     assert error_line(torchrun) == "ValueError: bad value at #"
     assert error_line(["  traceback : Signal 9 (SIGKILL) received by PID 12345"]) == "killed by SIGKILL"
+    # torchrun's summary: the root cause's signal, not that of a rank it stopped (listed first, under Failures)
+    summary = ["[rank0]: RuntimeError: Connection closed by peer", "Failures:", "[1]:", "  exitcode  : -15 (pid: 1)",
+               "  traceback : Signal 15 (SIGTERM) received by PID 1", "Root Cause (first observed failure):", "[0]:"]
+    assert error_line(summary + ["  exitcode  : -9 (pid: 2)", "  traceback : Signal 9 (SIGKILL) received by PID 2"]
+                      ) == "killed by SIGKILL"
+    assert error_line(summary[1:] + ["  exitcode  : 1 (pid: 2)", "  traceback : To enable traceback see: x"]
+                      ) == "a rank exited with code 1"
     # a rank started without torchrun (one CPU rank) ends with the signal itself: its exit status names it
     assert worker_error(WorkerFailed("train", -9, "step 3/8 loss 6.9")) == "killed by SIGKILL"
     assert worker_error(WorkerFailed("train", 1, "\n".join(torchrun))) == "ValueError: bad value at #"

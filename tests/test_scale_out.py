@@ -215,6 +215,27 @@ def test_more_ranks_than_packs_is_refused_before_any_rank_starts(prefect_server,
     assert not started, started
 
 
+@pytest.mark.timeout(300)
+def test_a_rank_that_raises_is_named_not_the_peers_torchrun_stopped(tmp_path):
+    """Rank 1 raises while rank 0 still works: torchrun SIGTERMs rank 0 and lists it under "Failures:" above the
+    root cause, and its summary pushes rank 1's traceback out of the tail. The attempt's error (what a repeated
+    failure reports) was "killed by SIGTERM"; it is rank 1's exception."""
+    from finetune_flows.errors import WorkerFailed
+    from finetune_flows.runtime.launcher import run_worker
+    from finetune_flows.training.attempts import worker_error
+
+    script = tmp_path / "rank.py"
+    script.write_text("import time\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "if dist.get_rank() == 1:\n    raise ValueError('rank 1 cannot train on this')\n"
+                      "time.sleep(120)\n")
+    with pytest.raises(WorkerFailed) as failed:
+        run_worker("train", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(script)], {}, tmp_path / "work", stop_grace=5)
+    assert "Signal 15 (SIGTERM) received" in failed.value.tail  # rank 0, stopped by torchrun
+    assert worker_error(failed.value) == "[rank1]: ValueError: rank 1 cannot train on this"
+    assert str(failed.value).count("ValueError: rank 1 cannot train on this") == 1  # in the message, once
+
+
 def test_two_process_torchrun_on_cpu(two_rank_reference):
     """The single-host reference itself: 2 gloo ranks under torchrun, each taking every step (DDP)."""
     train = two_rank_reference.train

@@ -45,6 +45,8 @@ FAILURE_ORDER = ("user_error", "disk_full", "oom", "interrupted")  # the most te
 # seed adapter_config.json is byte-stable, so one config trains one adapter, byte for byte (and its evaluation has
 # one cache key). One value for every step also lets one fork server serve them all (runtime/forkserver.py).
 STABLE_HASHES = {"PYTHONHASHSEED": "0"}
+# A Python exception's last traceback line (`[rank1]: ` where torch prefixes a rank's), not torchrun's own
+RAISED = re.compile(r"^(\[rank\d+\]: )?(?!torch\.distributed\.elastic)[A-Za-z_][\w.]*(Error|Exception): ")
 
 
 def worker_env(gpu_env: dict[str, str]) -> dict[str, str]:
@@ -122,6 +124,7 @@ class WorkerOutput:
     def __init__(self, step: str, log_path: Path, logger, on_event: Callable[[dict[str, Any]], None] | None):
         self.step, self.logger, self.on_event = step, logger, on_event
         self.tail: deque[str] = deque(maxlen=40)
+        self.first_raised: str | None = None  # the first exception a process printed: what a failure began with
         self.failures: list[dict[str, Any]] = []
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.ended = False  # the reader reached the end of the output: every process holding the pipe is gone
@@ -206,6 +209,8 @@ class WorkerOutput:
                     self.logger.warning("could not handle event %r: %s", line, exc)
             return
         self.tail.append(line)
+        if self.first_raised is None and RAISED.match(line):
+            self.first_raised = line
         if line.strip():
             self.logger.info("[%s] %s", self.step, line)
 
@@ -333,6 +338,9 @@ def _raise_failure(step: str, rc: int, workdir: Path, output: WorkerOutput) -> N
     if not reported and rc == 0:
         return
     tail = "\n".join(output.tail)
+    if output.first_raised is not None and output.first_raised not in output.tail:
+        # torchrun's summary of every rank fills the tail: keep the exception the failure began with in it
+        tail = f"{output.first_raised}\n...\n{tail}"
     known = [f for f in reported if f.get("cause") in FAILURE_ORDER]
     if not known:
         raise WorkerFailed(step, rc, tail)

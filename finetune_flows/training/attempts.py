@@ -102,14 +102,24 @@ _NUMBERS = re.compile(r"0x[0-9a-f]+|\d{3,}")
 
 
 def error_line(lines: list[str]) -> str:
-    """The error a worker died of, comparable between attempts (PIDs and addresses blanked out)."""
-    found = ""
+    """The error a worker died of, comparable between attempts (PIDs and addresses blanked out). Where torchrun's
+    summary names a root cause, that rank's signal, else the first exception printed (the launcher keeps it in
+    the tail): the other ranks listed under its "Failures:" got torchrun's SIGTERM because that rank failed."""
+    found, first, section, root_signal, root_exit = "", "", "", "", ""
     for line in lines:
         text = line.strip()
+        if text == "Failures:" or text.startswith("Root Cause"):
+            section = text
+        if section.startswith("Root Cause") and (m := re.match(r"exitcode\s*: (-?\d+)", text)):
+            root_exit = f"a rank exited with code {m.group(1)}"
         if m := _SIGNAL.search(text):
             found = f"killed by {m.group(1)}"
-        elif (m := _EXCEPTION.match(text)) and "ChildFailedError" not in m.group(1):
-            found = text
+            if section.startswith("Root Cause"):
+                root_signal = found
+        elif (m := _EXCEPTION.match(re.sub(r"^\[rank\d+\]: ", "", text))) and "ChildFailedError" not in m.group(1):
+            found, first = text, first or text
+    if section.startswith("Root Cause"):
+        found = root_signal or first or root_exit
     return _NUMBERS.sub("#", found)
 
 
