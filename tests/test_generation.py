@@ -135,6 +135,23 @@ def test_answer_loss_equals_the_padded_reference(model_and_prompts):
     assert run.tokens == generate_static(model, prompt_ids, 4, stop_token_ids(model, tokenizer), pad, 160).tokens
 
 
+def test_answers_stop_at_the_templates_end_of_turn_when_it_is_not_eos(model_and_prompts, monkeypatch):
+    """A Qwen2.5 base model's EOS is `<|endoftext|>` while its ChatML template ends each turn with `<|im_end|>`, the
+    token training ends every answer with: generation must stop there, or a right answer goes on into the next turn
+    (`billing/low` + `\\nbilling/low\\n` once `<|im_end|>` is skipped in decoding) and never matches exactly."""
+    import copy
+
+    model, tokenizer, _ = model_and_prompts
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert stop_token_ids(model, tokenizer) == [end]  # the generated model: EOS is the end of turn
+    base_like = copy.deepcopy(tokenizer)
+    base_like.eos_token = "<|endoftext|>"
+    monkeypatch.setattr(model.generation_config, "eos_token_id", base_like.eos_token_id)
+    assert stop_token_ids(model, base_like) == sorted({base_like.eos_token_id, end})
+    base_like.chat_template = None  # no template: the plain layout ends answers with EOS alone
+    assert stop_token_ids(model, base_like) == [base_like.eos_token_id]
+
+
 def test_length_sorted_batches_fit_the_budget():
     lengths = [5, 50, 7, 30, 30, 2]
     batches = length_sorted_batches(lengths, 10, 130)

@@ -16,8 +16,8 @@
 
 `static` and `continuous` run on the evaluation copy of the base (models/dequantize.py) with the LoRA adapter
 unmerged, so base and base + adapter are one model with the adapter switched off and on. Every engine stops at
-the model's EOS/stop tokens and returns, per prompt, the generated token ids up to (not including) the first stop
-token; a prompt the engine failed on is reported, never silently dropped.
+the model's EOS/stop tokens and the chat template's end of turn, and returns, per prompt, the generated token ids
+up to (not including) the first stop token; a prompt the engine failed on is reported, never silently dropped.
 """
 
 from __future__ import annotations
@@ -64,11 +64,32 @@ def choose_engine(requested: str, attn: str, devices: int = 1) -> str:
     return "static" if requested == "auto" else requested
 
 
+def turn_end_id(tokenizer) -> int | None:
+    """The special token the chat template writes right after an assistant answer (`<|im_end|>`, `<|eot_id|>`),
+    or None. Training ends every answer with it (data/dataset.py), and it need not be EOS: a Qwen2.5 base model's
+    EOS is `<|endoftext|>` while its template ends turns with `<|im_end|>`."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None  # the plain layout ends answers with EOS
+    marker = "FINETUNE-FLOWS-ANSWER"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant",
+                                              "content": marker}], tokenize=False)
+    except Exception:  # a template that needs other turns: EOS and the generation config's stops only
+        return None
+    if marker not in text:
+        return None
+    ids = tokenizer(text[text.rindex(marker) + len(marker):].lstrip(), add_special_tokens=False)["input_ids"]
+    added = getattr(tokenizer, "added_tokens_decoder", {})  # special added tokens (all_special_ids misses some)
+    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+    return ids[0] if ids and ids[0] in special else None
+
+
 def stop_token_ids(model, tokenizer) -> list[int]:
-    """The model's EOS/stop tokens (its generation config may list several) plus the tokenizer's EOS."""
+    """The model's EOS/stop tokens (its generation config may list several), the tokenizer's EOS and the chat
+    template's end of turn (`turn_end_id`)."""
     found = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = list(found) if isinstance(found, (list, tuple)) else [found]
-    ids.append(tokenizer.eos_token_id)
+    ids += [tokenizer.eos_token_id, turn_end_id(tokenizer)]
     return sorted({int(i) for i in ids if i is not None})
 
 
