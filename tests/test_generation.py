@@ -152,6 +152,39 @@ def test_answers_stop_at_the_templates_end_of_turn_when_it_is_not_eos(model_and_
     assert stop_token_ids(model, base_like) == [base_like.eos_token_id]
 
 
+def test_a_sliding_window_models_answer_loss_covers_every_row(model_and_prompts):
+    """The static engine scores answers from the prompt cache only where every layer caches the whole sequence. A
+    model with sliding-window layers (Mistral-7B-v0.1, Phi-3, Gemma) got them handed anyway and scored none: the
+    evaluation's loss left those rows out (0.0, perplexity 1.0, when every row had a prompt)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from finetune_flows.evaluation.static_engine import plain_cache
+    from finetune_flows.evaluation.worker import answer_loss, loss_split, padded_loss
+
+    llama, tokenizer, prompts = model_and_prompts
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4096, pad_token_id=tokenizer.pad_token_id,
+        attn_implementation="sdpa")).eval()
+    assert plain_cache(llama) and not plain_cache(model)
+    rows, prompt_ids = [], []
+    for i, p in enumerate(prompts):
+        prompt_ids.append(tokenizer(p, add_special_tokens=False)["input_ids"])
+        answer = tokenizer(f" team{i % 4}/high", add_special_tokens=False)["input_ids"]
+        rows.append({"input_ids": prompt_ids[-1] + answer, "labels": [-100] * len(prompt_ids[-1]) + answer})
+    pad, cpu = tokenizer.pad_token_id, torch.device("cpu")
+    shared, rest = loss_split("static", model, rows, prompt_ids)
+    run = generate_static(model, prompt_ids, 4, stop_token_ids(model, tokenizer), pad, 4096, answers=shared)
+    total, count = answer_loss(model, rest, 4096, pad, cpu)
+    loss = (total + run.details["loss"][0]) / max(count + run.details["loss"][1], 1)  # as the worker sums them
+    assert loss == pytest.approx(padded_loss(model, rows, 5, pad, cpu), rel=1e-5)
+    answers, _ = loss_split("static", llama, rows, prompt_ids)
+    with pytest.raises(ValueError, match="plain_cache"):  # answers it cannot score are refused, not dropped
+        generate_static(model, prompt_ids, 4, stop_token_ids(model, tokenizer), pad, 4096, answers=answers)
+
+
 def test_length_sorted_batches_fit_the_budget():
     lengths = [5, 50, 7, 30, 30, 2]
     batches = length_sorted_batches(lengths, 10, 130)

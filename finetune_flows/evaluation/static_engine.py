@@ -27,6 +27,15 @@ def length_sorted_batches(lengths: list[int], extra: int, batch_tokens: int, max
     return batches
 
 
+def plain_cache(model) -> bool:
+    """Whether every layer's static cache holds the whole sequence (no sliding-window or chunked layers): only then
+    are the prompts prefilled in chunks and their answers scored from the cache (`answers` of `generate_static`)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    return all(type(layer) is StaticLayer for layer in StaticCache(config=model.config, max_cache_len=1).layers)
+
+
 CPU_GQA_ATTENTION = "finetune_flows_sdpa_gqa"
 
 
@@ -319,6 +328,8 @@ def generate_static(model, prompt_ids: list[list[int]], max_new_tokens: int, sto
     device = model.device
     if cuda_graphs and device.type != "cuda":
         raise EngineUnavailable("CUDA graphs need a CUDA device; this model is on " + str(device))
+    if answers and any(answers) and not plain_cache(model):  # their loss would be silently left out
+        raise ValueError("answers are scored from the prompt cache only where plain_cache(model) holds")
     configured_attn = prefill_attn = model.config._attn_implementation
     if device.type == "cpu" and prefill_attn == "sdpa":
         _register_attention(CPU_GQA_ATTENTION, _sdpa_gqa)

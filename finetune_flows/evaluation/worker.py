@@ -24,7 +24,7 @@ from finetune_flows.config.plan import Plan
 from finetune_flows.evaluation.generation import (
     Generation, choose_engine, generate_continuous, generate_reference, kv_bytes_per_token, stop_token_ids,
 )
-from finetune_flows.evaluation.static_engine import generate_static, length_sorted_batches
+from finetune_flows.evaluation.static_engine import generate_static, length_sorted_batches, plain_cache
 from finetune_flows.models.kernels import apply_kernels
 from finetune_flows.runtime.gpus import cap_process_memory, free_bytes
 from finetune_flows.runtime.lifecycle import worker_main
@@ -108,6 +108,15 @@ def shared_answers(dataset, prompt_ids: list[list[int]]) -> tuple[list, list]:
         else:
             rest.append(row)
     return answers, rest
+
+
+def loss_split(engine: str, model, dataset, prompt_ids: list[list[int]]) -> tuple[list, list]:
+    """(the answers the engine scores while generating, the rows left for the loss pass): `shared_answers` for the
+    static engine where the model's static cache keeps every prompt whole (not with sliding-window layers), else
+    every row goes to the loss pass."""
+    if engine == "static" and plain_cache(model):
+        return shared_answers(dataset, prompt_ids)
+    return [None] * len(prompt_ids), dataset
 
 
 def placement(copy: Path, device) -> dict:
@@ -259,7 +268,7 @@ def _evaluate(job: dict) -> dict:
         print(f"{name}: evaluating on {device} with attn_implementation={model.config._attn_implementation}, "
               f"engine {engine}" + ("" if engine == "generate" else f" in {model.dtype}, {batch_tokens} tokens per "
                                     "batch"), flush=True)
-        shared, rest = shared_answers(dataset, prompt_ids) if engine == "static" else ([None] * len(prompts), dataset)
+        shared, rest = loss_split(engine, model, dataset, prompt_ids)
         gen = _generate(engine, model, tokenizer, prompts, prompt_ids, cfg, batch_tokens, devices, shared, device)
         if gen.failures:
             raise RuntimeError(f"{engine} engine: {len(gen.failures)} of {len(prompts)} prompts failed: "
