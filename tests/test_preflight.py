@@ -102,10 +102,47 @@ def test_cli_refuses_a_checkpoint_with_its_own_code_unless_trusted(tmp_path):
         done, tmp_path, f"model.source={model}: config.json has an auto_map (AutoConfig, AutoModelForCausalLM), so "
         "loading it runs the checkpoint's own Python code; set model.trust_remote_code=true if you trust that code")
     assert done.stderr.count("\n") == 1, done.stderr
-    # trusted, the same directory passes this check (and the next one finds what is wrong with it)
+    # trusted, the same directory passes this check, and the next one finds what is wrong with it
+    from finetune_flows.errors import ModelSourceError
     from finetune_flows.models.sources import check_model_source
 
-    check_model_source(str(model), trust_remote_code=True)
+    with pytest.raises(ModelSourceError, match="model.safetensors is not a readable safetensors file"):
+        check_model_source(str(model), trust_remote_code=True)
+
+
+def broken_checkpoint(model: Path, shared_cache: Path, fault: str) -> str:
+    """A copy of the tiny generated checkpoint in `model`, broken as `fault` says; returns what the error names."""
+    import shutil
+
+    from finetune_flows.models.sources import materialize_model
+
+    shutil.copytree(materialize_model("generated:tiny-llama", shared_cache), model)
+    weights = model / "model.safetensors"
+    if fault == "missing shard":  # an index as save_pretrained writes for a sharded model, one shard not copied
+        weights.rename(model / "model-00001-of-00002.safetensors")
+        (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+            "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+            "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+        return ("model.safetensors.index.json names 1 of 2 weight file(s) that are not there: "
+                "model-00002-of-00002.safetensors")
+    if fault == "truncated weights":  # a copy that stopped half-way
+        weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+        return "model.safetensors is not a readable safetensors file (Error while deserializing header"
+    config = json.loads((model / "config.json").read_text())
+    config["model_type"] = "no-such-architecture"
+    (model / "config.json").write_text(json.dumps(config))
+    return ("transformers cannot build a causal language model from its config (ValueError: The checkpoint you are "
+            "trying to load has model type `no-such-architecture`")
+
+
+@pytest.mark.parametrize("fault", ["missing shard", "truncated weights", "unknown model_type"])
+def test_a_broken_local_checkpoint_is_one_message_before_any_server(tmp_path, shared_cache, fault):
+    """Each passed the checks before: a server started, the dataset step ran, and the quantize worker failed with
+    transformers' traceback (15 to 22 of them in the log)."""
+    model = tmp_path / "model"
+    needle = broken_checkpoint(model, shared_cache, fault)
+    done = cli(tmp_path, "--set", f"model.source={model}")
+    assert_one_message_before_any_server(done, tmp_path, f"model.source={model}: {needle}")
 
 
 def test_cli_names_the_yaml_file_and_line(tmp_path):

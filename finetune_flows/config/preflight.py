@@ -24,7 +24,8 @@ from pathlib import Path
 from finetune_flows.config.schema import FinetuneConfig, check_config
 from finetune_flows.data.dataset import check_rows_tokenize, check_split_fits, normalize, read_rows, split
 from finetune_flows.data.rows import row_names
-from finetune_flows.errors import ConfigError, DataError, EnvironmentMismatch, UserInputError
+from finetune_flows.errors import (ConfigError, DataError, EnvironmentMismatch, ModelSourceError,
+                                   UserInputError, first_line)
 from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
 from finetune_flows.models.sources import check_model_source, model_config, tokenizer_without_download
 from finetune_flows.packages import installed_version
@@ -239,26 +240,36 @@ def check_lora_targets(model_dir: Path, targets: list[str] | str, trust_remote_c
         return
     from transformers import AutoConfig
 
-    lora_target_problems(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code), targets,
-                         trust_remote_code)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    lora_target_problems(_meta_model(config, trust_remote_code), targets)
 
 
 def check_lora_targets_of_source(cfg: FinetuneConfig) -> None:
-    """check_lora_targets on the model source's config, before anything is loaded or generated: where only a
-    download would give the config (a Hub id not cached here), the training step checks it instead."""
-    if cfg.lora.target_modules == "all-linear":
+    """The model source built on the meta device from its config, before anything is loaded or generated, and
+    check_lora_targets on it. A checkpoint's config.json (a local directory's, a Hub id's in the local Hub cache) is
+    built even with all-linear: one transformers cannot build as a causal LM (an unknown model_type) is one message
+    here, not a traceback from the quantize worker after a server started. A GGUF's metadata (seconds to read) and
+    a generated shape (ours) only to check listed targets; where only a download would give the config (a Hub id not
+    cached here), the training step checks it instead."""
+    source, listed = cfg.model.source, cfg.lora.target_modules != "all-linear"
+    if not listed and (source.startswith(("builtin:", "generated:")) or Path(source).expanduser().is_file()):
         return
-    config = model_config(cfg.model.source, cfg.model.revision, cfg.model.trust_remote_code)
-    if config is not None:
-        lora_target_problems(config, cfg.lora.target_modules, cfg.model.trust_remote_code)
+    remote = cfg.model.trust_remote_code
+    try:
+        config = model_config(source, cfg.model.revision, remote)
+        model = None if config is None else _meta_model(config, remote)
+    except Exception as exc:  # what the quantize worker would have met, after a server had started
+        raise ModelSourceError(f"model.source={source}: transformers cannot build a causal language model from its "
+                               f"config ({type(exc).__name__}: {first_line(exc)})") from None
+    if model is not None and listed:
+        lora_target_problems(model, cfg.lora.target_modules)
 
 
-def lora_target_problems(config, targets: list[str], trust_remote_code: bool = False) -> None:
-    """Each target must name modules of the model `config` describes, as PEFT matches them (the full name or its
-    last parts). The model is built on the meta device: no weights, no memory."""
+def lora_target_problems(model, targets: list[str]) -> None:
+    """Each target must name modules of `model` (built on the meta device: no weights, no memory), as PEFT matches
+    them (the full name or its last parts)."""
     import torch
 
-    model = _meta_model(config, trust_remote_code)
     names = [n for n, _ in model.named_modules() if n]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:

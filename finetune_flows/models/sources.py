@@ -86,10 +86,11 @@ def check_model_source(source: str, trust_remote_code: bool = False) -> None:
             raise ModelSourceError(f"model.source={source}: config.json is not valid JSON ({exc})") from None
         if "model_type" not in config:
             raise ModelSourceError(f"model.source={source}: config.json has no model_type")
-        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-            raise ModelSourceError(f"model.source={source} has a config.json but no weights (*.safetensors/*.bin)")
         if not trust_remote_code:
             _refuse_custom_code(source, path, config)
+        _check_weight_files(source, path)
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise ModelSourceError(f"model.source={source} has a config.json but no weights (*.safetensors/*.bin)")
         return
     if source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise ModelSourceError(f"model.source={source}: no such file or directory")
@@ -115,6 +116,31 @@ def model_config(source: str, revision: str | None = None, trust_remote_code: bo
     if not isinstance(cached, str):
         return None
     return AutoConfig.from_pretrained(Path(cached).parent, trust_remote_code=trust_remote_code)
+
+
+def _check_weight_files(source: str, path: Path) -> None:
+    """Every shard a weight index names is there, and every safetensors file's header reads (headers only: a
+    truncated or half-copied file fails here, not in the quantize worker after a server started)."""
+    from safetensors import safe_open
+
+    for index in sorted([*path.glob("*.safetensors.index.json"), *path.glob("*.bin.index.json")]):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelSourceError(f"model.source={source}: {index.name} is not a weight index "
+                                   f"({type(exc).__name__}: {first_line(exc)})") from None
+        missing = sorted(s for s in shards if not (path / s).is_file())
+        if missing:
+            raise ModelSourceError(f"model.source={source}: {index.name} names {len(missing)} of {len(shards)} "
+                                   f"weight file(s) that are not there: {', '.join(missing[:3])}"
+                                   f"{', ...' if len(missing) > 3 else ''}")
+    for weights in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(weights, "pt"):
+                pass
+        except Exception as exc:  # safetensors raises its own error type for a bad header
+            raise ModelSourceError(f"model.source={source}: {weights.name} is not a readable safetensors file "
+                                   f"({first_line(exc)})") from None
 
 
 def _refuse_custom_code(source: str, path: Path, config: dict) -> None:
