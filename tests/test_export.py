@@ -203,3 +203,32 @@ def test_linking_the_weights_into_runs_does_not_make_the_next_reuse_hash_them_ag
     weights.write_bytes(b"WEIGHTS")
     os.utime(weights, ns=(mtime, mtime))
     assert entry.problem() == "model.safetensors does not match its sha256 in the manifest"
+
+
+def test_the_cards_front_matter_names_a_local_base_whose_path_yaml_would_cut(tmp_path):
+    """`base_model: /models/exp #3` was written unquoted: YAML read `/models/exp` (the rest a comment), and a path
+    with ": " made the whole front matter unreadable, so `flows/evaluate.py --merged` lost the adapter it names."""
+    import yaml
+
+    from finetune_flows.data.dataset import PreparedDataset
+    from finetune_flows.export.model_card import render_card
+    from finetune_flows.models.quantize import QuantizedModel
+    from finetune_flows.runtime.environment import EnvironmentReport
+
+    merged = MergedModel(path=tmp_path / "merged", fingerprint="f" * 24, dtype="bfloat16", parameters=139_584,
+                         size_mb=0.3, logit_error=0.007, top1_agreement=1.0, check_prompts=8, check_tokens=582,
+                         device="cpu", seconds=1.0)
+    base = QuantizedModel(path=tmp_path / "quantized", fingerprint="b" * 24, load_in_4bit=True,
+                          compute_dtype="float32", memory_footprint_mb=0.3, linear4bit_layers=14, quantize_seconds=1.0)
+    data = PreparedDataset(path=tmp_path / "data", fingerprint="d" * 24, format="instruction", train_rows=108,
+                           eval_rows=12, train_tokens=8157, truncated=0, dropped=0)
+    env = EnvironmentReport(python="3.11", platform="linux", torch="2.13", cuda_available=False, cuda_version=None,
+                            driver_version=None, gpus=[], versions={}, attention={}, bitsandbytes_4bit="available",
+                            hub_reachable=False)
+    adapter = tmp_path / "run" / "adapter"
+    for source in ("/models/exp #3", "/models/v1: rerun", "generated:tiny-llama"):
+        cfg = load_config(None, [f"model.source={json.dumps(source)}"])  # quoted: --set parses YAML
+        card = render_card("run", merged, cfg, base, data, env, [], adapter, tmp_path / "run" / "config.resolved.yaml")
+        front = yaml.safe_load(card.split("---\n", 2)[1])
+        assert front["base_model"] == source and front["finetune_flows"]["adapter"] == str(adapter), card[:300]
+    assert "base_model: generated:tiny-llama\n" in card  # quoted only where YAML needs it

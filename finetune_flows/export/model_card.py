@@ -42,7 +42,9 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
                  f"{base.compute_dtype}" if base.load_in_4bit else f"not quantized ({base.compute_dtype})")
     versions = [f"| {k} | {v} |" for k, v in env.versions.items() if v and k != "torch"]
     lines = [
-        "---", f"base_model: {cfg.model.source}", "library_name: transformers",
+        # quoted where YAML needs it: a path with " #" or ": " would otherwise be cut short or break the front matter
+        "---", yaml.safe_dump({"base_model": cfg.model.source}, width=float("inf")).rstrip(),
+        "library_name: transformers",
         "tags: [finetune-flows, qlora, lora, merged]",
         # flows/evaluate.py reads this to evaluate the checkpoint beside the adapter it was made from
         "finetune_flows:", f"  adapter: {json.dumps(str(adapter))}", "---", "",
