@@ -129,16 +129,21 @@ def broken_checkpoint(model: Path, shared_cache: Path, fault: str) -> str:
         weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
         return "model.safetensors is not a readable safetensors file (Error while deserializing header"
     config = json.loads((model / "config.json").read_text())
+    if fault == "config of another size":  # bitsandbytes packed these as they were: training failed on a matmul
+        (model / "config.json").write_text(json.dumps(config | {"hidden_size": 128, "head_dim": 32}))
+        return ("20 weight(s) do not have the shape its config.json gives, e.g. model.embed_tokens.weight is "
+                "[1024, 64] in model.safetensors, [1024, 128] in the model; is config.json this checkpoint's?")
     config["model_type"] = "no-such-architecture"
     (model / "config.json").write_text(json.dumps(config))
     return ("transformers cannot build a causal language model from its config (ValueError: The checkpoint you are "
             "trying to load has model type `no-such-architecture`")
 
 
-@pytest.mark.parametrize("fault", ["missing shard", "truncated weights", "unknown model_type"])
+@pytest.mark.parametrize("fault", ["missing shard", "truncated weights", "unknown model_type",
+                                   "config of another size"])
 def test_a_broken_local_checkpoint_is_one_message_before_any_server(tmp_path, shared_cache, fault):
     """Each passed the checks before: a server started, the dataset step ran, and the quantize worker failed with
-    transformers' traceback (15 to 22 of them in the log)."""
+    transformers' traceback (15 to 22 of them in the log), or (another size) training failed twice on a matmul."""
     model = tmp_path / "model"
     needle = broken_checkpoint(model, shared_cache, fault)
     done = cli(tmp_path, "--set", f"model.source={model}")

@@ -257,12 +257,34 @@ def check_lora_targets_of_source(cfg: FinetuneConfig) -> None:
     remote = cfg.model.trust_remote_code
     try:
         config = model_config(source, cfg.model.revision, remote)
+        packed = hasattr(config, "quantization_config")  # a quantized checkpoint: its tensors have packed shapes
         model = None if config is None else _meta_model(config, remote)
     except Exception as exc:  # what the quantize worker would have met, after a server had started
         raise ModelSourceError(f"model.source={source}: transformers cannot build a causal language model from its "
                                f"config ({type(exc).__name__}: {first_line(exc)})") from None
+    path = Path(source).expanduser()
+    if model is not None and path.is_dir() and not packed:
+        check_weight_shapes(source, path, model)
     if model is not None and listed:
         lora_target_problems(model, cfg.lora.target_modules)
+
+
+def check_weight_shapes(source: str, path: Path, model) -> None:
+    """Each safetensors tensor of a local checkpoint against the tensor of that name in the model its config.json
+    builds (`model`, on the meta device; the headers only are read): a config.json of another size of the model
+    loads as 4-bit without a word from transformers (bitsandbytes packs the tensors as they are) and trains on
+    nonsense. Names the model does not have are left to transformers (it renames some)."""
+    from safetensors import safe_open
+
+    expected = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
+    wrong = []
+    for weights in sorted(path.glob("*.safetensors")):
+        with safe_open(weights, "pt") as tensors:
+            wrong += [f"{key} is {shape} in {weights.name}, {expected[key]} in the model" for key in tensors.keys()
+                      if key in expected and (shape := list(tensors.get_slice(key).get_shape())) != expected[key]]
+    if wrong:
+        raise ModelSourceError(f"model.source={source}: {len(wrong)} weight(s) do not have the shape its config.json "
+                               f"gives, e.g. {wrong[0]}; is config.json this checkpoint's?")
 
 
 def lora_target_problems(model, targets: list[str]) -> None:
