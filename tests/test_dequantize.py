@@ -247,3 +247,26 @@ def test_a_trusted_custom_code_checkpoint_gets_its_evaluation_copy_without_a_que
     assert _parameter_count(checkpoint, trust_remote_code=True) > 0  # the merge step's size check
     out = capfd.readouterr()
     assert "Do you wish to run the custom code" not in out.out + out.err
+
+
+def test_a_checkpoint_that_lacks_weights_its_config_needs_is_refused_by_the_quantize_worker(shared_cache, tmp_path):
+    """tie_word_embeddings turned off in a checkpoint saved tied: there is no lm_head.weight, and transformers
+    started it at random with a table in the log only, so the run trained and exported on a random output layer."""
+    import shutil
+
+    from conftest import tiny_config
+    from finetune_flows.errors import UserInputError
+    from finetune_flows.models.sources import materialize_model
+    from finetune_flows.runtime.launcher import python_module, run_worker, write_job
+
+    model = tmp_path / "model"
+    shutil.copytree(materialize_model("generated:tiny-llama", shared_cache), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+    cfg = tiny_config(shared_cache, tmp_path / "runs", **{"model.source": str(model)})
+    job = write_job(tmp_path / "work", "quantize", config=cfg.model_dump(mode="json"), out=str(tmp_path / "out"),
+                    compute_dtype="float32", fingerprint="f", quant_storage="uint8")
+    with pytest.raises(UserInputError, match=f"model.source={model}: the checkpoint lacks 1 weight"
+                                             r"\(s\) its config.json's model has, e.g. lm_head.weight;"):
+        run_worker("quantize", python_module("finetune_flows.models.quantize", job), {}, job.parent)
+    assert not (tmp_path / "out" / "quantization.json").exists()

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from finetune_flows.errors import ModelSourceError
 from finetune_flows.files import write_json
 from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig, QuantizationConfig
@@ -91,10 +92,16 @@ def _quantize(job: dict) -> dict:
         cap_process_memory(cfg.hardware.memory_budget_gib, 0)
     started = time.perf_counter()
     remote = cfg.model.trust_remote_code
-    model = AutoModelForCausalLM.from_pretrained(
+    model, loading = AutoModelForCausalLM.from_pretrained(
         src, quantization_config=bnb_config(cfg.quantization, compute_dtype, storage), device_map={"": device},
         dtype=torch_dtype(compute_dtype), revision=cfg.model.revision, trust_remote_code=remote,
+        output_loading_info=True,
     )
+    if loading["missing_keys"]:  # transformers initializes them at random and says so in a table only
+        missing = sorted(loading["missing_keys"])
+        raise ModelSourceError(f"model.source={cfg.model.source}: the checkpoint lacks {len(missing)} weight(s) its "
+                               f"config.json's model has, e.g. {', '.join(missing[:3])}; transformers would start "
+                               "them at random (a config.json of another model, or tie_word_embeddings changed?)")
     layers = count_4bit_layers(model)
     first = next(m for m in model.modules() if type(m).__name__ == "Linear4bit")
     print(f"quantized {layers} linear layers to 4-bit {cfg.quantization.quant_type} on {first.weight.device} "
