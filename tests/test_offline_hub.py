@@ -87,3 +87,28 @@ def test_a_hub_model_the_local_cache_holds_trains_and_evaluates_offline(tmp_path
     assert resolved["model"] == resolved["model"] | {"source": "org/tiny", "revision": COMMIT}
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
     assert (run / "eval.json").is_file()
+
+
+def test_a_hub_model_the_local_cache_holds_only_in_part_is_one_message_before_any_server(tmp_path):
+    """Config and tokenizer cached (what AutoConfig/AutoTokenizer fetch), no weights: the preflight passed it
+    offline, then the quantize worker failed twice on "does not appear to have a file named model.safetensors"
+    after a server had started."""
+    from finetune_flows.models.sources import _materialize_generated
+
+    built = tmp_path / "built"
+    built.mkdir()
+    _materialize_generated("tiny-llama", built)
+    (built / "model.safetensors").unlink()
+    hub = tmp_path / "hub"
+    snapshot = hub_cache_entry(hub, "model", "org/tiny", built)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "HF_"))}
+    env = child_env(env, PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                    HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1")
+    overrides = tiny_overrides(tmp_path / "cache", tmp_path / "runs", **{"model.source": "org/tiny"})
+    done = subprocess.run([sys.executable, "flows/finetune.py", *[a for o in overrides for a in ("--set", o)]],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.startswith("error: "), done.stderr[-3000:]
+    assert (f"model.source=org/tiny: the local Hub cache holds no weights (*.safetensors/*.bin) of "
+            f"org/tiny@{COMMIT[:12]} ({snapshot}), only part of it, and HF_HUB_OFFLINE is set") in done.stderr
+    assert "Traceback" not in done.stderr and not list(tmp_path.glob("prefect-home/*.db"))
+    assert not (tmp_path / "runs").exists()

@@ -325,10 +325,15 @@ def test_a_hub_reference_the_local_cache_holds_needs_no_hub(tmp_path, monkeypatc
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import torch
+    from safetensors.torch import save_file
+
     repo = tmp_path / "models--org--model"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("a" * 40)
-    (repo / "snapshots" / ("b" * 40)).mkdir(parents=True)
+    for commit in ("a" * 40, "b" * 40):  # each snapshot with its weights (one without them is refused offline)
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        save_file({"w": torch.zeros(1)}, repo / "snapshots" / commit / "model.safetensors")
     assert hub_problems(load_config(None, ["model.source=org/model"])) == []
     assert hub_problems(load_config(None, ["model.source=org/model", f"model.revision={'b' * 40}"])) == []
     [problem] = hub_problems(load_config(None, ["model.source=org/model", "model.revision=v2"]))

@@ -27,9 +27,10 @@ from finetune_flows.data.rows import row_names
 from finetune_flows.errors import (ConfigError, DataError, EnvironmentMismatch, ModelSourceError,
                                    UserInputError, first_line)
 from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
-from finetune_flows.models.sources import check_model_source, model_config, tokenizer_without_download
+from finetune_flows.models.sources import (check_model_source, check_weight_files, model_config,
+                                           tokenizer_without_download)
 from finetune_flows.packages import installed_version
-from finetune_flows.store.fingerprint import uncached_hub_sources
+from finetune_flows.store.fingerprint import cached_hub_commit, is_hub_model, uncached_hub_sources
 from finetune_flows.runtime.policy import allowed_config
 from finetune_flows.runtime.ray_cluster import ray_problems
 from finetune_flows.reporting.tracking import tracking_problems
@@ -150,16 +151,37 @@ def check_micro_batch_holds_a_row(cfg: FinetuneConfig, longest: int) -> None:
 def hub_problems(cfg: FinetuneConfig) -> list[str]:
     """A Hub model or dataset that neither the local Hub cache holds nor the Hub can give (offline, unreachable):
     said here, not by the flow's first step after a server has started. Asks the Hub only where the cache lacks it."""
-    missing = uncached_hub_sources(cfg)
-    if not missing or hub_reachable():
+    missing, incomplete = uncached_hub_sources(cfg), incomplete_cached_model(cfg)
+    if not (missing or incomplete) or hub_reachable():
         return []
     from huggingface_hub.constants import HF_HUB_CACHE, HF_HUB_OFFLINE
 
     why = "HF_HUB_OFFLINE is set" if HF_HUB_OFFLINE else "the Hugging Face Hub is unreachable"
-    return [f"{key}={source}: " + (f"no local directory {Path(source).expanduser().absolute()}, and as a Hub id "
-                                   if kind == "model" else "") +
-            f"{repo}@{revision or 'main'} is not in the local Hub cache ({HF_HUB_CACHE}) and {why}"
-            for key, source, repo, revision, kind in missing]
+    problems = [f"{key}={source}: " + (f"no local directory {Path(source).expanduser().absolute()}, and as a Hub id "
+                                       if kind == "model" else "") +
+                f"{repo}@{revision or 'main'} is not in the local Hub cache ({HF_HUB_CACHE}) and {why}"
+                for key, source, repo, revision, kind in missing]
+    return problems + ([f"{incomplete}, and {why}"] if incomplete else [])
+
+
+def incomplete_cached_model(cfg: FinetuneConfig) -> str | None:
+    """What a Hub model's snapshot in the local Hub cache lacks (a download that stopped, or only the config and
+    tokenizer fetched, as AutoConfig/AutoTokenizer do), or None: offline the quantize step would fail on it."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    source = cfg.model.source
+    commit = cached_hub_commit(source, cfg.model.revision, "model") if is_hub_model(source) else None
+    if commit is None:
+        return None
+    snapshot = Path(HF_HUB_CACHE) / f"models--{source.replace('/', '--')}" / "snapshots" / commit
+    try:
+        check_weight_files(source, snapshot)
+    except ModelSourceError as exc:
+        return f"{exc} (in the local Hub cache, {snapshot})"
+    if not any(snapshot.glob("*.safetensors")) and not any(snapshot.glob("*.bin")):
+        return (f"model.source={source}: the local Hub cache holds no weights (*.safetensors/*.bin) of "
+                f"{source}@{commit[:12]} ({snapshot}), only part of it")
+    return None
 
 
 # ---------------------------------------------------------------- directories

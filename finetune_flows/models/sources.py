@@ -88,7 +88,7 @@ def check_model_source(source: str, trust_remote_code: bool = False) -> None:
             raise ModelSourceError(f"model.source={source}: config.json has no model_type")
         if not trust_remote_code:
             _refuse_custom_code(source, path, config)
-        _check_weight_files(source, path)
+        check_weight_files(source, path)
         if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
             raise ModelSourceError(f"model.source={source} has a config.json but no weights (*.safetensors/*.bin)")
         return
@@ -118,7 +118,7 @@ def model_config(source: str, revision: str | None = None, trust_remote_code: bo
     return AutoConfig.from_pretrained(Path(cached).parent, trust_remote_code=trust_remote_code)
 
 
-def _check_weight_files(source: str, path: Path) -> None:
+def check_weight_files(source: str, path: Path) -> None:
     """Every shard a weight index names is there, and every safetensors file's header reads (headers only: a
     truncated or half-copied file fails here, not in the quantize worker after a server started)."""
     from safetensors import safe_open
