@@ -51,6 +51,130 @@ def test_a_probe_directory_that_is_a_file_is_named_before_anything_runs(tmp_path
         preflight(load_config(None, ["model.source=generated:tiny-llama", f"run.cache_dir={tmp_path / 'c'}",
                                      f"run.output_dir={tmp_path / 'runs'}"]))
 
+def cache_config(tmp_path: Path):
+    return load_config(None, ["model.source=generated:tiny-llama", f"run.cache_dir={tmp_path / 'c'}",
+                              f"run.output_dir={tmp_path / 'runs'}"])
+
+
+def listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def _file(path: Path) -> None:
+    path.write_text("kept")
+
+
+def _dangling(path: Path) -> None:
+    path.symlink_to(path.parent / "gone")
+
+
+def _link_to_file(path: Path) -> None:
+    (path.parent / "a-file").write_text("kept")
+    path.symlink_to(path.parent / "a-file")
+
+
+@pytest.mark.parametrize("name, plant, says", [
+    ("adapters", _file, "is a file, so no directory can be created there"),
+    (".locks", _file, "is a file, so no directory can be created there"),
+    (".verified", _file, "is a file, so no directory can be created there"),
+    ("datasets", _dangling, "is a link to {c}/gone, which does not exist"),
+    ("quantized", _link_to_file, "is a link to {c}/a-file, which is a file, not a directory"),
+])
+def test_a_store_directory_that_cannot_be_one_is_named_before_anything_runs(tmp_path, name, plant, says):
+    # before, the cache root alone was checked: the step writing there failed with a traceback (adapters: after
+    # the base was quantized, and retried); these fail as root too
+    cache = tmp_path / "c"
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / "kept").write_text("written before")
+    plant(cache / name)
+    before = listing(cache)
+    with pytest.raises(UserInputError) as info:
+        preflight(cache_config(tmp_path))
+    assert str(info.value) == (f"run.cache_dir={cache}: {cache / name} {says.format(c=cache)}; fix that, or set "
+                               "run.cache_dir (or FINETUNE_FLOWS_CACHE) to another directory")
+    assert listing(cache) == before and (cache / "models" / "kept").read_text() == "written before"
+
+
+def test_cli_refuses_a_cache_whose_adapters_directory_is_a_file(tmp_path):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "adapters").write_text("kept")
+    done = cli(tmp_path)
+    assert_one_message_before_any_server(done, tmp_path, f"{tmp_path / 'c' / 'adapters'} is a file")
+    assert done.stderr.count("\n") == 1 and (tmp_path / "c" / "adapters").read_text() == "kept"
+    assert listing(tmp_path / "c") == ["adapters"]
+
+
+def test_the_cache_named_by_the_environment_is_named_so(tmp_path, monkeypatch):
+    (tmp_path / "env-cache").mkdir()
+    (tmp_path / "env-cache" / ".locks").write_text("kept")
+    monkeypatch.setenv("FINETUNE_FLOWS_CACHE", str(tmp_path / "env-cache"))
+    with pytest.raises(UserInputError, match=f"^FINETUNE_FLOWS_CACHE={tmp_path / 'env-cache'}: .*/.locks is a file.*"
+                                             "set FINETUNE_FLOWS_CACHE to another directory$"):
+        preflight(cache_config(tmp_path))
+
+
+def test_store_directories_that_are_links_to_directories_pass(tmp_path):
+    shared = tmp_path / "shared"
+    for name in ("models", "adapters", ".locks"):
+        (shared / name).mkdir(parents=True)
+        (tmp_path / "c" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "c" / name).symlink_to(shared / name)
+    preflight(cache_config(tmp_path))
+
+
+def test_every_kind_of_store_entry_is_checked():
+    from finetune_flows.config.preflight import STORE_DIRS
+
+    sources = "\n".join(p.read_text() for p in (ROOT / "finetune_flows").rglob("*.py"))
+    kinds = set(re.findall(r"\bEntry\([^,()]+,\s*\"([^\"]+)\"", sources))
+    assert kinds and kinds <= set(STORE_DIRS), kinds - set(STORE_DIRS)
+    assert {"models", "tokenizers"} <= set(STORE_DIRS)  # sources.py passes its kind as a variable
+
+
+@pytest.fixture
+def mounted(tmp_path):
+    """Mount a tmpfs with the given options at a path under the cache (root only, as tests/test_faults.py's disk)."""
+    mounts = []
+
+    def mount(path: Path, options: str) -> Path:
+        path.mkdir(parents=True)
+        if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)]
+                                               ).returncode != 0:
+            pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)])
+
+
+def test_a_store_directory_on_a_read_only_file_system_is_named(tmp_path, mounted):
+    adapters = mounted(tmp_path / "c" / "adapters", "ro,size=64k")
+    with pytest.raises(UserInputError, match=f"{adapters} is on a read-only file system; fix that"):
+        preflight(cache_config(tmp_path))
+
+
+def test_a_store_directory_on_a_full_file_system_is_named(tmp_path, mounted):
+    adapters = mounted(tmp_path / "c" / "adapters", "size=64k")
+    with pytest.raises(OSError, match="No space left"), open(adapters / "fill", "wb", buffering=0) as f:
+        while True:  # fill it
+            f.write(b"\0" * 4096)
+    with pytest.raises(UserInputError, match=f"{adapters} is on a full file system"):
+        preflight(cache_config(tmp_path))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory: nothing to refuse")
+def test_a_read_only_store_directory_is_named(tmp_path):
+    (tmp_path / "c" / "adapters").mkdir(parents=True)
+    (tmp_path / "c" / "adapters").chmod(0o555)
+    try:
+        with pytest.raises(UserInputError, match=f"{tmp_path / 'c' / 'adapters'} is not writable"):
+            preflight(cache_config(tmp_path))
+    finally:
+        (tmp_path / "c" / "adapters").chmod(0o755)
+
+
 def test_cli_names_the_line_of_a_row_that_is_not_utf8(tmp_path):
     data = tmp_path / "tickets.jsonl"
     data.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')

@@ -7,7 +7,8 @@ model source (names and files, no weights; custom code only when trusted), every
 encoding error names its line) and their split (rows to train on, held-out rows left once copies of training
 prompts are removed), the GPUs through NVML (ids, CUDA_VISIBLE_DEVICES, MIG; no torch, no CUDA context), what the
 attention backend needs from the machine, the optimizer name, the experiment trackers (installed, an MLflow server
-answering), and that the run and cache directories (and $FINETUNE_FLOWS_PROBE_DIR, where set) can be created.
+answering), and that the run and cache directories (and $FINETUNE_FLOWS_PROBE_DIR, where set) can be created
+and the store's directories under them that exist can be written (check_directories).
 LoRA target modules are checked against the model's module names, the model built on the meta device from its
 config (no weights): the source's, where one can be read without a download, and again before training launches.
 Where the tokenizer can be had without the Hub, the first rows of each data file go through it and its chat
@@ -30,11 +31,14 @@ from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
 from finetune_flows.models.sources import (check_model_source, check_weight_files, model_config,
                                            tokenizer_without_download)
 from finetune_flows.packages import installed_version
+from finetune_flows.store.entries import LOCKS, VERIFIED
 from finetune_flows.store.fingerprint import cached_hub_commit, is_hub_model, uncached_hub_sources
+from finetune_flows.training.compiling import COSTS
 from finetune_flows.runtime.policy import allowed_config
 from finetune_flows.runtime.ray_cluster import ray_problems
 from finetune_flows.reporting.tracking import tracking_problems
-from finetune_flows.runtime.environment import PROBE_DIR_ENV, cpu_half_precision_problems, hub_reachable, probe_dir
+from finetune_flows.runtime.environment import (PROBE_DIR_ENV, PROBES, cpu_half_precision_problems, hub_reachable,
+                                                probe_dir)
 
 FLASH_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3",
                   "flash_attention_4": "flash-attn-4"}
@@ -188,21 +192,57 @@ def incomplete_cached_model(cfg: FinetuneConfig) -> str | None:
 
 
 def _first_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
+    while not path.exists() and not path.is_symlink() and path != path.parent:
         path = path.parent
     return path
 
 
+# The store's directories under the cache root that a run may write: the kinds of entry (finetune_flows/store/
+# entries.py and the callers of Entry), their locks and verified records, and torch's compile caches.
+STORE_DIRS = (LOCKS, VERIFIED, "models", "tokenizers", "datasets", "quantized", "adapters", "evals", "merged",
+              "dequantized", PROBES, "attention-probes", COSTS, "compile")
+PROBE_DIRS = (LOCKS, VERIFIED, PROBES)  # what the probes write under $FINETUNE_FLOWS_PROBE_DIR
+
+
+def directory_problem(path: Path) -> str | None:
+    """Why a run cannot write in the directory `path` (which exists, or is a link), or None."""
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a link to {os.readlink(path)}, which does not exist"
+    if path.is_symlink() and not path.is_dir():
+        return f"{path} is a link to {os.readlink(path)}, which is a file, not a directory"
+    if not path.is_dir():
+        return f"{path} is a file, so no directory can be created there"
+    try:
+        fs = os.statvfs(path)
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror})"
+    if fs.f_flag & os.ST_RDONLY:
+        return f"{path} is on a read-only file system"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable"
+    if (fs.f_bfree if os.geteuid() == 0 else fs.f_bavail) == 0:  # root may use the blocks reserved for it
+        return f"{path} is on a full file system (no space left)"
+    return None
+
+
 def check_directories(cfg: FinetuneConfig) -> None:
-    places = [("run.output_dir", Path(cfg.run.output_dir).expanduser()), ("run.cache_dir", cfg.cache_root)]
+    """The run and cache directories (and the probe directory) can be written: each, or its first existing parent,
+    and every store directory under the cache that exists already (a file, a dangling link, a read-only or full
+    file system there would otherwise fail a step deep inside, after a model was loaded). Creates nothing."""
+    cache_key = "FINETUNE_FLOWS_CACHE" if os.environ.get("FINETUNE_FLOWS_CACHE") else "run.cache_dir"
+    places = [("run.output_dir", Path(cfg.run.output_dir).expanduser(), ()), (cache_key, cfg.cache_root, STORE_DIRS)]
     if os.environ.get(PROBE_DIR_ENV):  # the host's directory of machine probes, where the operator set one
-        places.append((PROBE_DIR_ENV, probe_dir(cfg.cache_root)))
-    for key, path in places:
+        places.append((PROBE_DIR_ENV, probe_dir(cfg.cache_root), PROBE_DIRS))
+    for key, path, subdirs in places:
+        other = f"{key} (or FINETUNE_FLOWS_CACHE)" if key == "run.cache_dir" else key
+        fix = f"; fix that, or set {other} to another directory"
         existing = _first_existing(path.absolute())
-        if not existing.is_dir():
-            raise UserInputError(f"{key}={path}: {existing} is a file, so no directory can be created there")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise UserInputError(f"{key}={path}: {existing} is not writable")
+        if problem := directory_problem(existing):
+            raise UserInputError(f"{key}={path}: {problem}{fix}")
+        for name in subdirs if existing == path.absolute() else ():
+            sub = existing / name
+            if (sub.exists() or sub.is_symlink()) and (problem := directory_problem(sub)):
+                raise UserInputError(f"{key}={path}: {problem}{fix}")
 
 
 # ---------------------------------------------------------------- optimizer, GPUs, attention
