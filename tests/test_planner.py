@@ -372,3 +372,21 @@ def test_cuda_graphs_auto_keeps_a_fixed_micro_batch_the_pool_does_not_fit_beside
     auto = plan("qwen3-0.6b", GPUS["H100-80GB"], cuda_graphs="auto", compile_layers=True, **args)
     assert not auto.cuda_graphs and auto.micro_batch_tokens == 5049 and auto.predicted_peak_gib <= auto.budget_gib
     assert auto.reasons[-1].endswith("does not fit beside micro-batches of 5049 tokens (train.micro_batch_tokens)")
+
+
+def test_the_plan_says_its_token_figures_are_per_rank_where_there_are_several(monkeypatch):
+    """The effective batch and its tokens are each rank's: with 2 ranks the optimizer step takes twice them. The log
+    line and the training-plan artifact said "302 tokens per optimizer step" for 2 ranks of 302 each."""
+    import prefect.artifacts
+
+    from finetune_flows.training.train import publish_training_plan
+
+    one, two = (plan("qwen3-0.6b", None, rows=4, mean_row=75.6, ranks=ranks) for ranks in (1, 2))
+    assert "4 rows x 76 mean tokens = 302 tokens per optimizer step -> 1 micro-batch(es)" in one.reasons[-1]
+    assert ("4 rows x 76 mean tokens = 302 tokens per rank per optimizer step (605 over 2 ranks) -> 1 micro-batch(es)"
+            in two.reasons[-1])
+    assert one.tokens_per_step == two.tokens_per_step  # the field stays per rank (the workers plan with it)
+    shown = []
+    monkeypatch.setattr(prefect.artifacts, "create_markdown_artifact", lambda md, **kw: shown.append(md))
+    publish_training_plan(two)
+    assert "| tokens_per_step (per rank) | 302.4 |" in shown[0] and "(605 over 2 ranks)" in shown[0]

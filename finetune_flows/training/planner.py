@@ -270,6 +270,7 @@ def _plan_with_graphs(shape: ModelShape, *, cuda_graphs: bool | str = False, ran
     graphs' pool (GRAPH_POOL). `auto` holds graphs only where they were measured to pay: it adds them to the plan
     where it leaves room for their pool, and otherwise (a memory budget) takes the plan around the pool if its
     micro-batches keep at least GRAPHS_MIN_SHARE of the tokens, the same base and the same checkpointing."""
+    batches = {**batches, "ranks": ranks}  # for the plan's wording: its token figures are per rank
     plan = plan_batches(shape, **batches)
     if cuda_graphs is False:
         return plan
@@ -370,7 +371,7 @@ def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_
                  accumulation: int = 1, dequantize: bool = False,
                  compile_layers: bool = False, compile_deferred: bool = False, shards: int = 1,
                  budget_gib: float | None = None, graphs: bool = False,
-                 loss_chunk_tokens: int | None = None) -> TrainingPlan:
+                 loss_chunk_tokens: int | None = None, ranks: int = 1) -> TrainingPlan:
     """Choose micro-batch size, accumulation, checkpointing and whether to hold the base dequantized (asked for by
     `dequantize`). `free_mib` is the least free memory of the selected GPUs (None on the CPU), `budget_gib`
     `hardware.memory_budget_gib` (planning_bytes: what the plan may use of them). `compile_deferred` compiles the
@@ -384,7 +385,7 @@ def plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean_
                    micro_batch_tokens=micro_batch_tokens, lora_r=lora_r, lora_targets=lora_targets,
                    fused_ce=fused_ce, dtype_bytes=dtype_bytes, upcast=upcast, per_device_rows=per_device_rows,
                    accumulation=accumulation, shards=shards, budget_gib=budget_gib, graphs=graphs,
-                   loss_chunk_tokens=loss_chunk_tokens)
+                   loss_chunk_tokens=loss_chunk_tokens, ranks=ranks)
     plan = _plan_batches(shape, free_mib=free_mib, four_bit=four_bit, checkpointing=checkpointing, **batches)
     if not four_bit:
         return plan.model_copy(update={"compile_layers": compile_layers,
@@ -444,7 +445,7 @@ def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
                   four_bit: bool, lora_r: int, lora_targets: list[str] | str, fused_ce: bool,
                   dtype_bytes: int, upcast: bool, per_device_rows: int, accumulation: int,
                   shards: int, budget_gib: float | None, graphs: bool, loss_chunk_tokens: int | None,
-                  ckpt_why: str = "train.gradient_checkpointing") -> TrainingPlan:
+                  ranks: int = 1, ckpt_why: str = "train.gradient_checkpointing") -> TrainingPlan:
     reasons: list[str] = []
     target = rows_per_step * mean_row
     common = dict(four_bit=four_bit, lora_r=lora_r, lora_targets=lora_targets, fused_ce=fused_ce,
@@ -505,7 +506,10 @@ def _plan_batches(shape: ModelShape, *, free_mib: int | None, max_row: int, mean
     steps_needed = max(1, math.ceil(target / cap))
     tokens = max(max_row, math.ceil(target / steps_needed))
     if not micro_batch_tokens:
-        reasons.append(f"{rows_per_step} rows x {mean_row:.0f} mean tokens = {target:.0f} tokens per optimizer step "
+        # rows_per_step and the micro-batches are each rank's; the optimizer step takes every rank's tokens
+        per_step = ("tokens per optimizer step" if ranks == 1 else
+                    f"tokens per rank per optimizer step ({target * ranks:.0f} over {ranks} ranks)")
+        reasons.append(f"{rows_per_step} rows x {mean_row:.0f} mean tokens = {target:.0f} {per_step} "
                        f"-> {steps_needed} micro-batch(es) of <= {tokens} tokens")
     else:
         tokens = cap

@@ -150,6 +150,10 @@ def check_one_step(cfg: FinetuneConfig, data: PreparedDataset, tplan: TrainingPl
             "smaller train.per_device_batch_size or train.gradient_accumulation_steps, or on more rows") from None
 
 
+# The plan's figures are each rank's; the one a reader would take for the whole optimizer step says so
+PLAN_LABELS = {"tokens_per_step": "tokens_per_step (per rank)"}
+
+
 def publish_training_plan(tplan: TrainingPlan, cached: bool = False) -> None:
     """The plan in the run's log and as the `training-plan` artifact; `cached`: the plan a reused adapter was trained
     with, which this machine's free memory today may not repeat."""
@@ -158,8 +162,8 @@ def publish_training_plan(tplan: TrainingPlan, cached: bool = False) -> None:
     from prefect.artifacts import create_markdown_artifact
 
     lines = ["| choice | value |", "|---|---|"]
-    lines += [f"| {k} | {round(v, 2) if isinstance(v, float) else v} |" for k, v in tplan.model_dump().items()
-              if k != "reasons"]
+    lines += [f"| {PLAN_LABELS.get(k, k)} | {round(v, 2) if isinstance(v, float) else v} |"
+              for k, v in tplan.model_dump().items() if k != "reasons"]
     md = f"# Training plan{whose}\n\n" + "\n".join(lines) + "\n\n" + "\n".join(f"- {r}" for r in tplan.reasons) + "\n"
     try:
         create_markdown_artifact(md, key="training-plan", description="Micro-batch, accumulation, checkpointing")
