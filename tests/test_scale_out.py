@@ -95,6 +95,26 @@ def test_gpus_per_node_must_match_what_torchrun_starts_here():
     assert plan_problems(load_config(None, ["hardware.launcher=ray", "hardware.gpus_per_node=8"]), gpu_plan) == []
 
 
+def test_more_cpu_ranks_than_cores_is_a_warning_naming_both_and_the_key():
+    """4 CPU ranks on 2 cores ran without a word, each loading the whole model. The training step logs this before
+    torchrun starts the ranks; as many ranks as cores, GPU ranks and Ray workers are not warned about."""
+    from finetune_flows.training.distributed import oversubscribed_cores, usable_cores
+
+    cfg, plan = load_config(None, ["hardware.cpu_processes=4"]), CPU_PLAN.model_copy(update={"nproc": 4})
+    assert oversubscribed_cores(cfg, plan, cores=2) == (
+        "hardware.cpu_processes=4 starts 4 training ranks on 2 CPU core(s) here: each rank loads the whole model and "
+        "computes on its own thread, so they take turns on the cores and every optimizer step waits for the slowest; "
+        "set hardware.cpu_processes to at most 2")
+    assert oversubscribed_cores(cfg, plan, cores=4) is None
+    assert oversubscribed_cores(cfg, plan.model_copy(update={"device": "cuda"}), cores=2) is None
+    assert oversubscribed_cores(load_config(None, ["hardware.launcher=ray"]), plan, cores=2) is None
+    # this host's own count: its affinity mask (the test machine's cores), so one rank more is always too many
+    cores = usable_cores()
+    assert 1 <= cores <= (os.cpu_count() or cores)
+    crowded = load_config(None, [f"hardware.cpu_processes={cores + 1}"])
+    assert f"on {cores} CPU core(s)" in oversubscribed_cores(crowded, CPU_PLAN.model_copy(update={"nproc": cores + 1}))
+
+
 def test_resume_point_without_a_process_group_is_the_newest_complete_checkpoint(tmp_path):
     from finetune_flows.training.checkpoints import write_checkpoint_manifest
 

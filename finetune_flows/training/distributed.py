@@ -66,6 +66,35 @@ def plan_problems(cfg: FinetuneConfig, plan: Plan) -> list[str]:
     return []
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask (a container's cpuset), lowered by a cgroup v2 CPU quota
+    (`cpu.max`, a container's --cpus) where one is set."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def oversubscribed_cores(cfg: FinetuneConfig, plan: Plan, cores: int | None = None) -> str | None:
+    """A warning where more CPU ranks start on this host than it has cores (None otherwise, and on GPUs). Not refused:
+    it is slow, not wrong. Nor is host memory checked: what a rank's model costs there is known only once it is
+    loaded (dtype, quantization, and pages of the checkpoint file the ranks may share), not from the config."""
+    if plan.device != "cpu" or cfg.hardware.launcher != "torchrun":
+        return None
+    cores = usable_cores() if cores is None else cores
+    if plan.nproc <= cores:
+        return None
+    holds = "the whole model" if plan.strategy == "ddp" else "the model to shard it"
+    return (f"hardware.cpu_processes={cfg.hardware.cpu_processes} starts {plan.nproc} training ranks on "
+            f"{cores} CPU core(s) here: each rank loads {holds} and computes on its own thread, so they take "
+            f"turns on the cores and every optimizer step waits for the slowest; set hardware.cpu_processes to at "
+            f"most {cores}")
+
+
 def torchrun_command(module: str, job_path: Path, cfg: FinetuneConfig, plan: Plan, run_id: str) -> list[str]:
     h = cfg.hardware
     head = [sys.executable, "-m", "torch.distributed.run", torchrun_log_dir(job_path)]

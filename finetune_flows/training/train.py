@@ -17,7 +17,7 @@ from finetune_flows.training.attempts import LAYOUT, kept_layout, run_attempts, 
 from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
-from finetune_flows.training.distributed import fingerprint_parts, train_command, world_size
+from finetune_flows.training.distributed import fingerprint_parts, oversubscribed_cores, train_command, world_size
 from finetune_flows.config.plan import Plan, loss_chunk_setting, worker_config
 from finetune_flows.errors import UserInputError
 from finetune_flows.store.fingerprint import combine, step_versions
@@ -209,6 +209,8 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
                 run_logger().warning(planned.strategy_choice)
         publish_training_plan(tplan)
         check_one_step(cfg, data, tplan, world_size(cfg, planned))
+        if crowded := oversubscribed_cores(cfg, planned):
+            run_logger().warning(crowded)
 
         def attempt(split: int, observe) -> None:
             job = write_train_job(out, cfg, planned, base, data, gpus.ids, entry.key, micro_batch_split=split,
