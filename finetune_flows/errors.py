@@ -71,6 +71,18 @@ class WorkerFailed(RuntimeError):
         super().__init__(f"{step} worker exited with code {returncode}; last output:\n{tail}")
 
 
+class WorkerStartTimeout(WorkerFailed):
+    """The worker started no process of its own in the time it had (torchrun: no rank, the rendezvous never met)."""
+
+
+class RendezvousFailed(WorkerFailed):
+    """The nodes of a multi-node run did not meet at the rendezvous; `str()` is the message that says so."""
+
+    def __init__(self, step: str, returncode: int, tail: str, message: str):
+        super().__init__(step, returncode, tail)
+        self.args = (message,)
+
+
 class WorkerOOM(WorkerFailed):
     """The worker ran out of device memory with `split` micro-batch pieces; a smaller micro-batch may fit."""
 

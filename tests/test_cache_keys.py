@@ -37,7 +37,7 @@ PLAN = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", tr
             eval_attn="sdpa")
 KERNELS = "hardware.kernels={RMSNorm: 'kernels-community/liger_kernels:LigerRMSNorm'}"  # layers swapped at evaluation
 NOT_IN_ANY = ["run.name=other", "run.output_dir=/elsewhere", "run.cache_dir=/another/cache", "hardware.gpus=cpu",
-              "hardware.memory_budget_gib=24"]
+              "hardware.memory_budget_gib=24", "hardware.rdzv_timeout_seconds=30"]
 
 
 def readme_row(step: str) -> str:

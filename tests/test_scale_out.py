@@ -66,7 +66,7 @@ def test_multi_node_torchrun_uses_c10d_rendezvous_named_by_the_run(tmp_path):
     cmd = train_command(cfg, plan, tmp_path / "job.json", "run-fingerprint")
     assert cmd[cmd.index("torch.distributed.run") + 1:cmd.index("-m", 3)] == [
         f"--log-dir={tmp_path / 'torchrun'}", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node0.cluster:29400",
-        "--rdzv-id=run-fingerprint", "--max-restarts=0"]
+        "--rdzv-id=run-fingerprint", "--max-restarts=0", "--rdzv-conf=join_timeout=600"]
     assert fingerprint_parts(cfg, plan) == ["torchrun", 2, 4]
     ray = load_config(None, ["hardware.launcher=ray", "hardware.nodes=3", "hardware.gpus_per_node=8"])
     assert train_command(ray, plan, tmp_path / "job.json", "x")[1:] == ["-m", "finetune_flows.training.ray_worker",
@@ -233,6 +233,51 @@ def test_more_ranks_than_packs_is_refused_before_any_rank_starts(prefect_server,
     new_entries = set((cache / "adapters").glob("*")) - earlier  # what this run wrote: the refused entry at most
     started = [p for e in new_entries for p in e.iterdir() if p.name in ("torchrun", "train.job.json", "train.log")]
     assert not started, started
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("endpoint", ["no other node", "port held, never answers"])
+def test_a_rendezvous_that_never_completes_is_logged_bounded_and_named(endpoint, tmp_path, caplog):
+    """hardware.nodes=2 where the other node never joins, or where the endpoint's port is held by a program that
+    never answers: real torchrun printed nothing, for 600 s (its join_timeout) or without end (its connection to the
+    store is not bounded by it). The wait is logged with its bound, and the attempt ends with one message naming the
+    endpoint: torchrun's join_timeout, or the launcher's stop RENDEZVOUS_MARGIN s after it."""
+    import socket
+    import time
+
+    from finetune_flows.errors import RendezvousFailed
+    import psutil
+
+    from finetune_flows.training.distributed import RENDEZVOUS_MARGIN, run_ranks
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    if endpoint == "port held, never answers":
+        holder.listen(8)  # the kernel completes connections; nothing reads or writes on them
+    port = holder.getsockname()[1]
+    if endpoint == "no other node":
+        holder.close()
+    cfg = load_config(None, ["hardware.nodes=2", f"hardware.rdzv_endpoint=127.0.0.1:{port}",
+                             "hardware.rdzv_timeout_seconds=10"])
+    job = tmp_path / "work" / "train.job.json"
+    started = time.monotonic()
+    try:
+        with caplog.at_level("INFO", logger="finetune_flows"), pytest.raises(RendezvousFailed) as failed:
+            run_ranks(cfg, CPU_PLAN, job, "a-run-that-meets-nobody", {"OMP_NUM_THREADS": "1"}, tmp_path / "work",
+                      stop_grace=5)
+    finally:
+        holder.close()
+    waited = time.monotonic() - started
+    assert (f"waiting for all 2 nodes at the c10d rendezvous at 127.0.0.1:{port} (id a-run-that-m), at most 10 s "
+            "(hardware.rdzv_timeout_seconds)") in caplog.text
+    assert str(failed.value).startswith(f"hardware.nodes=2: the nodes did not all meet at the c10d rendezvous at "
+                                        f"127.0.0.1:{port} (id a-run-that-m) within 10 s")
+    assert 10 <= waited < 10 + RENDEZVOUS_MARGIN + 30, waited
+    if endpoint == "no other node":  # torchrun's own timeout, well before the launcher's
+        assert "RendezvousTimeoutError" in failed.value.tail and waited < 10 + RENDEZVOUS_MARGIN
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if "--rdzv-id=a-run-that-meets-nobody" in
+            (p.info["cmdline"] or [])]
+    assert not left, left  # the launcher stopped torchrun and waited for it
 
 
 @pytest.mark.timeout(300)

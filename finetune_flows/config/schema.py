@@ -303,6 +303,13 @@ class HardwareConfig(Section):
         "the first node's address and a free port such as 29400). The rendezvous id is the training run's id "
         "(its content fingerprint), so the nodes of one run meet and those of another do not.",
     )
+    rdzv_timeout_seconds: int = Field(
+        600, ge=5, le=86400,
+        description="torchrun with nodes > 1: seconds a node waits at `rdzv_endpoint` for all `nodes` to join "
+        "(torchrun's c10d join_timeout; 600 is torchrun's own default). The training step logs the wait; a "
+        "rendezvous that has not completed by then (plus 30 s for torchrun itself) ends the attempt with an error "
+        "naming the endpoint, retried as `train.retries` says.",
+    )
     ray_address: str = Field(
         "auto",
         description="ray: the Ray cluster to train on, as `ray.init(address=...)` takes it: `auto` (the cluster "

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from finetune_flows.runtime import forkserver
-from finetune_flows.errors import DiskFull, UserInputError, WorkerFailed, WorkerInterrupted, WorkerOOM
+from finetune_flows.errors import (
+    DiskFull, UserInputError, WorkerFailed, WorkerInterrupted, WorkerOOM, WorkerStartTimeout)
 from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import (
     EVENT_PREFIX, GRACE_ENV, LAUNCHER_ENV, classify, failure_path, preexec_die_with, raise_if_stopped,
@@ -265,8 +266,12 @@ def run_worker(
     workdir: Path,
     on_event: Callable[[dict[str, Any]], None] | None = None,
     stop_grace: float = DEFAULT_STOP_GRACE,
+    start_within: float | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Start the worker, stream its lines to the logs (and `workdir/<step>.log`), return its result JSON."""
+    """Start the worker, stream its lines to the logs (and `workdir/<step>.log`), return its result JSON.
+    `start_within`: seconds by which the worker must have started a process of its own (torchrun starts its ranks
+    once the rendezvous completes), else it is stopped and WorkerStartTimeout raised; `on_start` runs when it has."""
     logger = run_logger()
     workdir.mkdir(parents=True, exist_ok=True)
     result_path = workdir / f"{step}.result.json"
@@ -278,9 +283,19 @@ def run_worker(
     output = WorkerOutput(step, workdir / f"{step}.log", logger, on_event)
     proc = start_worker(step, argv, env, logger)
     members: set[ProcessId] = set()
+    started_at, waiting = time.monotonic(), start_within is not None
 
     def remember_members() -> None:  # ranks that outlive a dead torchrun are found through this list
-        members.update(tree(proc.pid))
+        nonlocal waiting
+        below = tree(proc.pid)
+        members.update(below)
+        if waiting and len(below) > 1:  # a process below the worker's own
+            waiting = False
+            if on_start is not None:
+                on_start()
+        elif waiting and proc.poll() is None and time.monotonic() - started_at > start_within:
+            raise WorkerStartTimeout(step, -1, "\n".join(output.tail) + f"\nno process started within "
+                                     f"{start_within:.0f} s")
 
     record = workdir / f"{step}.pid"
     try:

@@ -25,7 +25,9 @@ from typing import Any
 
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.config.plan import Plan
-from finetune_flows.runtime.launcher import torchrun_log_dir
+from finetune_flows.errors import RendezvousFailed, WorkerFailed, WorkerStartTimeout
+from finetune_flows.logs import run_logger
+from finetune_flows.runtime.launcher import run_worker, torchrun_log_dir
 from finetune_flows.training.checkpoints import checkpoint_is_complete
 
 
@@ -103,7 +105,37 @@ def torchrun_command(module: str, job_path: Path, cfg: FinetuneConfig, plan: Pla
         return head + ["--standalone", f"--nproc_per_node={plan.nproc}"] + tail
     # --max-restarts=0: a dead rank fails the attempt on every node; Prefect's retry resumes from the checkpoint.
     return head + [f"--nnodes={h.nodes}", f"--nproc-per-node={plan.nproc}", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint={h.rdzv_endpoint}", f"--rdzv-id={run_id}", "--max-restarts=0"] + tail
+                   f"--rdzv-endpoint={h.rdzv_endpoint}", f"--rdzv-id={run_id}", "--max-restarts=0",
+                   f"--rdzv-conf=join_timeout={h.rdzv_timeout_seconds}"] + tail
+
+
+# torchrun's own join_timeout bounds the wait for nodes that never join, not its connection to the endpoint (a port
+# held by a program that never answers blocked it for minutes): the launcher stops it this long after the timeout
+RENDEZVOUS_MARGIN = 30.0
+
+
+def run_ranks(cfg: FinetuneConfig, plan: Plan, job_path: Path, run_id: str, env: dict[str, str], workdir: Path,
+              **worker: Any) -> dict[str, Any]:
+    """run_worker of the training command; across torchrun nodes, with the rendezvous wait logged and bounded, and
+    its failure raised as RendezvousFailed naming the endpoint."""
+    h = cfg.hardware
+    command = train_command(cfg, plan, job_path, run_id)
+    if h.launcher != "torchrun" or h.nodes == 1:
+        return run_worker("train", command, env, workdir, **worker)
+    where = f"the c10d rendezvous at {h.rdzv_endpoint} (id {run_id[:12]})"
+    run_logger().info("waiting for all %d nodes at %s, at most %d s (hardware.rdzv_timeout_seconds)", h.nodes, where,
+                      h.rdzv_timeout_seconds)
+    try:
+        return run_worker("train", command, env, workdir, start_within=h.rdzv_timeout_seconds + RENDEZVOUS_MARGIN,
+                          on_start=lambda: run_logger().info("the %d nodes met at %s: ranks starting", h.nodes,
+                                                             where), **worker)
+    except WorkerFailed as exc:
+        if not isinstance(exc, WorkerStartTimeout) and "torch.distributed.elastic.rendezvous" not in exc.tail:
+            raise
+        raise RendezvousFailed(exc.step, exc.returncode, exc.tail, (
+            f"hardware.nodes={h.nodes}: the nodes did not all meet at {where} within {h.rdzv_timeout_seconds} s "
+            "(hardware.rdzv_timeout_seconds). Start this flow with the same config on every node, and check that "
+            f"{h.rdzv_endpoint} is reachable from each of them and its port is not held by another program")) from None
 
 
 def train_command(cfg: FinetuneConfig, plan: Plan, job_path: Path, run_id: str) -> list[str]:

@@ -17,12 +17,12 @@ from finetune_flows.training.attempts import LAYOUT, kept_layout, run_attempts, 
 from finetune_flows.orchestration.concurrency import device_slots
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.data.dataset import PreparedDataset
-from finetune_flows.training.distributed import fingerprint_parts, oversubscribed_cores, train_command, world_size
+from finetune_flows.training.distributed import fingerprint_parts, oversubscribed_cores, run_ranks, world_size
 from finetune_flows.config.plan import Plan, loss_chunk_setting, worker_config
 from finetune_flows.errors import UserInputError
 from finetune_flows.store.fingerprint import combine, step_versions
 from finetune_flows.runtime.gpus import GpuSelection
-from finetune_flows.runtime.launcher import compile_caches, gpu_models, run_worker, training_env, write_job
+from finetune_flows.runtime.launcher import compile_caches, gpu_models, training_env, write_job
 from finetune_flows.logs import run_logger
 from finetune_flows.packages import installed_version
 from finetune_flows.training.planner import (
@@ -217,10 +217,10 @@ def train_adapter(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
                                   compile_record={"cache": str(cfg.cache_root), "gpus": gpu_models(gpus)},
                                   workers_lock=str(entry.workers_lock_path))
             with ProgressReporter(cfg.train.max_steps) as progress:
-                run_worker("train", train_command(cfg, planned, job, entry.key),
-                           training_env({**gpus.env, **compile_caches(cfg.cache_root, gpus)}), out,
-                           on_event=lambda event: (observe(event), progress(event)),
-                           stop_grace=cfg.hardware.stop_grace_seconds)
+                run_ranks(cfg, planned, job, entry.key, training_env({**gpus.env, **compile_caches(cfg.cache_root,
+                                                                                                  gpus)}), out,
+                          on_event=lambda event: (observe(event), progress(event)),
+                          stop_grace=cfg.hardware.stop_grace_seconds)
 
         check_lora_targets(base.path, cfg.lora.target_modules, cfg.model.trust_remote_code)  # before torchrun
         limit = split_limit(tplan.packing, tplan.micro_batch_tokens, tplan.micro_batch_rows, max(row_lengths(data)))
