@@ -27,8 +27,8 @@ from finetune_flows.config.preflight import (check_adapter_fits, cli_preflight, 
                                              without_tracking)
 from finetune_flows.config.schema import FinetuneConfig, load_config  # noqa: E402
 from finetune_flows.evaluation.adapters import (  # noqa: E402
-    EvaluationResult, check_evaluation_dir, create_eval_run_dir, eval_run_name, finish_evaluation, named_adapter,
-    render_evaluation, training_config, warn_if_other_base,
+    Evaluated, EvaluationResult, check_evaluation_dir, create_eval_run_dir, eval_run_name, finish_evaluation,
+    named_adapter, render_evaluation, training_config, warn_if_other_base,
 )
 from finetune_flows.evaluation.evaluate import beside_adapter, publish_eval  # noqa: E402
 from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
@@ -61,8 +61,7 @@ def evaluate(adapter: str, config: FinetuneConfig | None = None) -> EvaluationRe
     inventory = read_inventory()  # the run's one reading of the GPUs
     config = without_tracking(config or load_config(allowed_config_file(training_config(target.path))))
     cfg = pin_hub_revisions(preflight(config, inventory))
-    if target.kind == "adapter":
-        check_adapter_fits(target.path, cfg)  # another model's config fails here, not after quantizing it
+    check_fits(target, cfg)  # another model's config fails here, not after quantizing it
     run_dir = create_eval_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir, inventory)
@@ -87,6 +86,17 @@ def evaluate(adapter: str, config: FinetuneConfig | None = None) -> EvaluationRe
     return finish_evaluation(run_dir, target, adapter_dir, report)
 
 
+def check_fits(target: Evaluated, cfg: FinetuneConfig) -> None:
+    """The adapter given, or the one a merged checkpoint's card names (evaluated beside it), must fit the config's
+    model: with another model's config the merged checkpoint was scored beside the wrong base, and the adapter
+    then failed to load, after the model was quantized."""
+    if target.kind == "adapter":
+        check_adapter_fits(target.path, cfg)
+    elif (adapter := named_adapter(target.path, quiet=True)) is not None:
+        check_adapter_fits(adapter, cfg, f" (which {target.path / 'README.md'} names as the adapter the checkpoint "
+                           "was merged from)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", "--merged", action=Once, dest="adapter", required=True, metavar="DIR",
@@ -99,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     def checked() -> FinetuneConfig:
         target = check_evaluation_dir(args.adapter)
         cfg = cli_preflight(without_tracking(load_config(args.config or training_config(target.path), args.overrides)))
-        if target.kind == "adapter":
-            check_adapter_fits(target.path, cfg)
+        check_fits(target, cfg)
         return cfg
 
     return run_cli(checked,

@@ -493,6 +493,39 @@ def test_an_adapter_for_another_model_is_one_message_before_any_server(tmp_path,
     assert made <= {"tokenizers"}, made  # the checks' tokenizer only: no model made, nothing quantized
 
 
+def test_a_merged_checkpoint_whose_adapter_is_for_another_model_is_one_message_before_any_server(tmp_path):
+    """`evaluate.py --merged` with a config for another model: the merged checkpoint was scored beside the wrong
+    base, then the adapter its card names failed to load in the worker (a traceback, exit 1, after quantizing)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from finetune_flows.models.sources import _materialize_generated
+
+    merged, adapter, other = tmp_path / "run" / "merged", tmp_path / "run" / "adapter", tmp_path / "other"
+    merged.mkdir(parents=True)
+    _materialize_generated("tiny-llama", merged)  # a plain checkpoint with its tokenizer, as a merge leaves it
+    get_peft_model(AutoModelForCausalLM.from_pretrained(merged), LoraConfig(r=4, target_modules="all-linear")) \
+        .save_pretrained(adapter)
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    tokenizer.save_pretrained(adapter)  # an adapter directory as a run saves it
+    (merged / "README.md").write_text(f"---\nfinetune_flows:\n  adapter: {json.dumps(str(adapter))}\n---\n")
+    shape = json.loads((merged / "config.json").read_text())
+    LlamaForCausalLM(LlamaConfig(vocab_size=shape["vocab_size"], hidden_size=96, intermediate_size=192,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)) \
+        .save_pretrained(other)  # another model, its layers wider
+    tokenizer.save_pretrained(other)
+    config = tmp_path / "other.yaml"
+    config.write_text(yaml.safe_dump({"model": {"source": str(other)}, "data": {"builtin_examples": 120},
+                                      "run": {"output_dir": str(tmp_path / "runs"), "cache_dir": str(tmp_path / "c")}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env = child_env(env, PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    done = subprocess.run([sys.executable, "flows/evaluate.py", "--merged", str(merged), "--config", str(config)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert_one_message_before_any_server(
+        done, tmp_path, f"the adapter {adapter} (which {merged / 'README.md'} names as the adapter the checkpoint "
+        f"was merged from) does not fit model.source={other}:", "was it trained on another model?")
+
+
 def test_an_adapter_checked_against_its_own_model_passes(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

@@ -373,13 +373,13 @@ def _meta_model(config, trust_remote_code: bool = False):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def check_adapter_fits(adapter_dir: Path, cfg: FinetuneConfig) -> None:
+def check_adapter_fits(adapter_dir: Path, cfg: FinetuneConfig, named_by: str = "") -> None:
     """An adapter's LoRA weights must fit the layers of the model the config names: evaluated or merged with a
     config for another model, it would fail only once that model is quantized and loaded (a size mismatch per
     weight, and a retry). Skipped where only a download would give the model's config."""
     from safetensors import safe_open
 
-    weights = adapter_dir / "adapter_model.safetensors"
+    weights = adapter_dir / "adapter_model.safetensors"  # named_by: where the adapter comes from, if not given
     checked = (str(weights.resolve()), cfg.model.source, cfg.model.revision)
     if checked in _adapters_checked_here or not weights.is_file():
         return
@@ -402,7 +402,7 @@ def check_adapter_fits(adapter_dir: Path, cfg: FinetuneConfig) -> None:
             elif kind == "B.weight" and shape[0] != getattr(module, "out_features", shape[0]):
                 misfits.append(f"{key}: {shape[0]} outputs, the model's layer has {module.out_features}")
     if misfits:
-        raise ConfigError([f"the adapter {adapter_dir} does not fit model.source={cfg.model.source}: "
+        raise ConfigError([f"the adapter {adapter_dir}{named_by} does not fit model.source={cfg.model.source}: "
                            f"{len(misfits)} LoRA weight(s) do not match its layers, e.g. {misfits[0]}; was it "
                            "trained on another model? (without --config the run's own config.resolved.yaml is used)"],
                           "adapter vs model")

@@ -133,9 +133,9 @@ def check_evaluation_dir(target: str | Path) -> Evaluated:
     return Evaluated(kind="adapter", path=check_adapter_dir(path))
 
 
-def named_adapter(merged_dir: Path) -> Path | None:
+def named_adapter(merged_dir: Path, quiet: bool = False) -> Path | None:
     """The adapter a merged checkpoint was made from, as its model card names it, when that adapter is still there
-    and the worker's policy lets this run read it; else None, with a log line saying why."""
+    and the worker's policy lets this run read it; else None, with a log line saying why (none when quiet)."""
     card = merged_dir / "README.md"
     try:
         _, front, _ = card.read_text().split("---\n", 2)
@@ -143,6 +143,8 @@ def named_adapter(merged_dir: Path) -> Path | None:
     except (OSError, ValueError, AttributeError, yaml.YAMLError):
         named = None
     if not named:
+        if quiet:
+            return None
         run_logger().info("%s names no adapter (no finetune_flows.adapter in its front matter): base vs merged only",
                           card)
         return None
@@ -150,6 +152,8 @@ def named_adapter(merged_dir: Path) -> Path | None:
         check_adapter_path(named)  # read like the directory given: only where the policy allows
         return check_adapter_dir(named)
     except UserInputError as exc:
+        if quiet:
+            return None
         run_logger().warning("the model card names the adapter %s, which cannot be evaluated beside the merged "
                              "checkpoint: %s", named, str(exc).replace("\n", " "))
         return None
