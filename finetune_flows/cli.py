@@ -163,9 +163,11 @@ class Once(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         given = f"_{self.dest}_given"
-        if getattr(namespace, given, False):
-            parser.error(f"{option_string} given more than once: one run per command (run it once per {self.dest})")
-        setattr(namespace, given, True)
+        first = getattr(namespace, given, None)
+        if first:
+            twice = "more than once" if first == option_string else f"after {first} (the same option)"
+            parser.error(f"{option_string} given {twice}: one run per command (run it once per {self.dest})")
+        setattr(namespace, given, option_string)
         setattr(namespace, self.dest, values)
 
 

@@ -627,19 +627,23 @@ def test_a_ray_head_nothing_answers_at_is_said_before_anything_loads(monkeypatch
     cluster_fits(2, {"CPU": 2.0}, False, "head:6379")
 
 
-@pytest.mark.parametrize("flow, args", [
-    ("finetune", ["--config", "configs/demo.yaml", "--config", "configs/nightly.yaml"]),
-    ("export", ["--adapter", "a", "--config", "x.yaml", "--adapter", "b"]),
-    ("evaluate", ["--merged", "a", "--adapter", "b"])])
-def test_a_second_config_or_adapter_is_refused_not_silently_used(flow, args, capsys):
-    """`--config a.yaml --config b.yaml` ran b alone, without a word: there is one run per command."""
+@pytest.mark.parametrize("flow, args, said", [
+    ("finetune", ["--config", "configs/demo.yaml", "--config", "configs/nightly.yaml"],
+     "--config given more than once"),
+    ("export", ["--adapter", "a", "--config", "x.yaml", "--adapter", "b"], "--adapter given more than once"),
+    ("evaluate", ["--adapter", "a", "--adapter", "b"], "--adapter given more than once"),
+    ("evaluate", ["--merged", "a", "--adapter", "b"], "--adapter given after --merged (the same option)"),
+    ("evaluate", ["--adapter", "a", "--merged", "b"], "--merged given after --adapter (the same option)")])
+def test_a_second_config_or_adapter_is_refused_not_silently_used(flow, args, said, capsys):
+    """`--config a.yaml --config b.yaml` ran b alone, without a word: there is one run per command. `--adapter a
+    --merged b` said "--merged given more than once", given once: the two names are one option."""
     import importlib
 
     with pytest.raises(SystemExit) as exit_:
         importlib.import_module(f"flows.{flow}").main(args)
     assert exit_.value.code == 2
     dest = "config" if flow == "finetune" else "adapter"
-    assert f"--{dest} given more than once: one run per command (run it once per {dest})" in capsys.readouterr().err
+    assert f"{said}: one run per command (run it once per {dest})" in capsys.readouterr().err
 
 
 def test_a_local_model_whose_tokenizer_cannot_load_is_one_message_before_any_server(tmp_path, shared_cache):
