@@ -165,6 +165,32 @@ def test_evaluate_refuses_a_directory_that_is_neither_adapter_nor_checkpoint(tmp
         check_evaluation_dir(tmp_path / "merged")
 
 
+def test_a_run_directory_or_a_merged_checkpoint_given_as_the_adapter_is_named_so(tmp_path):
+    """`--adapter runs/<run>` said only that no adapter_config.json was there, and export's `--adapter
+    runs/<run>/merged` listed missing adapter files: the message now says what the directory is and what to give.
+    Exit status 2, nothing loaded."""
+    import subprocess
+
+    run = tmp_path / "run"
+    for d in ("adapter", "merged"):
+        (run / d).mkdir(parents=True)
+    (run / "merged" / "config.json").write_text("{}")
+    probe = ("import sys; import flows.evaluate, flows.export\n"
+             "for flow, target in [(flows.evaluate, sys.argv[1]), (flows.export, sys.argv[1]), "
+             "(flows.export, sys.argv[2])]:\n"
+             "    print(flow.main(['--adapter', target]))\n"
+             "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe, str(run), str(run / "merged")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "2", "2", "False", "False"], done
+    assert done.stderr.splitlines() == [
+        f"error: {run} is a run directory: give its adapter, {run / 'adapter'}, or its merged checkpoint, "
+        f"{run / 'merged'}",
+        f"error: {run} is a run directory, not an adapter: give its adapter, {run / 'adapter'}",
+        f"error: {run / 'merged'} is a model checkpoint (config.json, no adapter_config.json), not an adapter "
+        "(give the `adapter/` directory of a fine-tune run, e.g. runs/<run>/adapter)"]
+
+
 # ---------------------------------------------------------------- the real stack
 
 

@@ -77,6 +77,12 @@ def check_adapter_dir(adapter: str | Path) -> Path:
         raise AdapterError(f"{path} is a file, not an adapter directory ({hint})")
     if not path.is_dir():
         raise AdapterError(f"adapter directory not found: {path} ({hint})")
+    if not (path / "adapter_config.json").exists():
+        if (path / "adapter").is_dir():
+            raise AdapterError(f"{path} is a run directory, not an adapter: give its adapter, {path / 'adapter'}")
+        if (path / "config.json").is_file():
+            raise AdapterError(f"{path} is a model checkpoint (config.json, no adapter_config.json), not an adapter "
+                               f"({hint})")
     missing = []
     if not (path / "adapter_config.json").is_file():
         missing.append("adapter_config.json")
@@ -127,6 +133,9 @@ def check_evaluation_dir(target: str | Path) -> Evaluated:
     if path.is_dir() and not (path / "adapter_config.json").exists():
         if (path / "config.json").is_file():
             return Evaluated(kind="merged", path=check_merged_dir(path))
+        if (path / "adapter").is_dir():
+            merged = f", or its merged checkpoint, {path / 'merged'}" if (path / "merged").is_dir() else ""
+            raise AdapterError(f"{path} is a run directory: give its adapter, {path / 'adapter'}{merged}")
         raise AdapterError(f"{path} is neither a PEFT adapter (no adapter_config.json) nor a merged checkpoint (no "
                            "config.json): give the `adapter/` or `merged/` directory of a fine-tune run, e.g. "
                            "runs/<run>/adapter or runs/<run>/merged")
