@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", action=Once, default=DEFAULT_CONFIG, help="run config YAML (default: %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. train.max_steps=50 (repeatable)")
-    parser.add_argument("--help-config", action="store_true", help="print every config key with its doc and exit")
-    parser.add_argument("--print-params", action="store_true",
+    prints = parser.add_mutually_exclusive_group()  # one output, not the first of two without a word
+    prints.add_argument("--help-config", action="store_true", help="print every config key with its doc and exit")
+    prints.add_argument("--print-params", action="store_true",
                         help="print the config as `prefect deployment run --params` takes it, and exit")
     args = parser.parse_args(argv)
     if args.config == DEFAULT_CONFIG and not Path(DEFAULT_CONFIG).is_file():

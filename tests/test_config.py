@@ -232,6 +232,16 @@ def test_print_params_writes_the_run_parameter_that_deployment_run_takes(tmp_pat
     assert not list(tmp_path.iterdir()), "a Prefect server was started"
 
 
+def test_help_config_and_print_params_together_are_refused(capsys):
+    """`--help-config --print-params` printed the reference alone, exit 0: the parameters asked for never came."""
+    from flows.finetune import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help-config", "--print-params"])
+    assert exit_.value.code == 2
+    assert "argument --print-params: not allowed with argument --help-config" in capsys.readouterr().err
+
+
 def test_the_default_config_is_found_when_the_flow_runs_from_another_directory(tmp_path):
     """`python /path/to/flows/finetune.py` from elsewhere said "config file not found: configs/demo.yaml"."""
     import json
