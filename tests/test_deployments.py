@@ -163,6 +163,9 @@ def test_evaluate_refuses_a_directory_that_is_neither_adapter_nor_checkpoint(tmp
     with pytest.raises(AdapterError, match=rf"no such directory: {tmp_path / 'merged'} \(give the `adapter/` or "
                        "`merged/` directory"):  # `--merged runs/nope/merged` said "adapter directory not found"
         check_evaluation_dir(tmp_path / "merged")
+    with pytest.raises(AdapterError, match=rf"{neither / 'config.json'} is a file, not a directory \(give the "
+                       "`adapter/` or `merged/` directory"):  # it said "not an adapter directory", also for --merged
+        check_evaluation_dir(neither / "config.json")
 
 
 def test_a_run_directory_or_a_merged_checkpoint_given_as_the_adapter_is_named_so(tmp_path):

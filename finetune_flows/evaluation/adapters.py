@@ -127,9 +127,11 @@ def check_evaluation_dir(target: str | Path) -> Evaluated:
     """An adapter directory or a merged checkpoint, checked (nothing is loaded); AdapterError naming the directory
     when it is neither."""
     path = Path(target).expanduser()
+    hint = "give the `adapter/` or `merged/` directory of a fine-tune run, e.g. runs/<run>/adapter or runs/<run>/merged"
     if not path.exists():
-        raise AdapterError(f"no such directory: {path} (give the `adapter/` or `merged/` directory of a fine-tune "
-                           "run, e.g. runs/<run>/adapter or runs/<run>/merged)")
+        raise AdapterError(f"no such directory: {path} ({hint})")
+    if path.is_file():  # `--merged runs/<run>/merged/model.safetensors`: not "an adapter directory"
+        raise AdapterError(f"{path} is a file, not a directory ({hint})")
     if path.is_dir() and not (path / "adapter_config.json").exists():
         if (path / "config.json").is_file():
             return Evaluated(kind="merged", path=check_merged_dir(path))
@@ -137,8 +139,7 @@ def check_evaluation_dir(target: str | Path) -> Evaluated:
             merged = f", or its merged checkpoint, {path / 'merged'}" if (path / "merged").is_dir() else ""
             raise AdapterError(f"{path} is a run directory: give its adapter, {path / 'adapter'}{merged}")
         raise AdapterError(f"{path} is neither a PEFT adapter (no adapter_config.json) nor a merged checkpoint (no "
-                           "config.json): give the `adapter/` or `merged/` directory of a fine-tune run, e.g. "
-                           "runs/<run>/adapter or runs/<run>/merged")
+                           f"config.json): {hint}")
     return Evaluated(kind="adapter", path=check_adapter_dir(path))
 
 
