@@ -493,9 +493,10 @@ def test_an_adapter_for_another_model_is_one_message_before_any_server(tmp_path,
     assert made <= {"tokenizers"}, made  # the checks' tokenizer only: no model made, nothing quantized
 
 
-def test_a_merged_checkpoint_whose_adapter_is_for_another_model_is_one_message_before_any_server(tmp_path):
+def test_a_merged_checkpoint_for_another_model_is_one_message_before_any_server(tmp_path):
     """`evaluate.py --merged` with a config for another model: the merged checkpoint was scored beside the wrong
-    base, then the adapter its card names failed to load in the worker (a traceback, exit 1, after quantizing)."""
+    base, then the adapter its card names failed to load in the worker (a traceback, exit 1, after quantizing);
+    with no adapter named, the table's `base` row was the other model's, exit 0."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -519,11 +520,17 @@ def test_a_merged_checkpoint_whose_adapter_is_for_another_model_is_one_message_b
                                       "run": {"output_dir": str(tmp_path / "runs"), "cache_dir": str(tmp_path / "c")}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env = child_env(env, PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    done = subprocess.run([sys.executable, "flows/evaluate.py", "--merged", str(merged), "--config", str(config)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    def evaluate() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "flows/evaluate.py", "--merged", str(merged), "--config", str(config)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
     assert_one_message_before_any_server(
-        done, tmp_path, f"the adapter {adapter} (which {merged / 'README.md'} names as the adapter the checkpoint "
-        f"was merged from) does not fit model.source={other}:", "was it trained on another model?")
+        evaluate(), tmp_path, f"the adapter {adapter} (which {merged / 'README.md'} names as the adapter the "
+        f"checkpoint was merged from) does not fit model.source={other}:", "was it trained on another model?")
+    (merged / "README.md").unlink()  # no adapter to check: it scored the merged checkpoint beside the other model
+    assert_one_message_before_any_server(
+        evaluate(), tmp_path, f"the merged checkpoint {merged} is not made from model.source={other}: hidden_size 64 "
+        "(the model's: 96), intermediate_size 128 (the model's: 192); was it made from another model?")
 
 
 def test_an_adapter_checked_against_its_own_model_passes(tmp_path):

@@ -410,3 +410,28 @@ def check_adapter_fits(adapter_dir: Path, cfg: FinetuneConfig, named_by: str = "
 
 
 _adapters_checked_here: set[tuple] = set()
+
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+
+
+def check_merged_fits(merged_dir: Path, cfg: FinetuneConfig) -> None:
+    """A merged checkpoint is scored beside the model the config names, so it must have that model's shape: with
+    another model's config the `base` row was that other model's, without a word. Read from the two config files
+    (no weights); skipped where only a download would give the model's config."""
+    from transformers import AutoConfig
+
+    base = model_config(cfg.model.source, cfg.model.revision, cfg.model.trust_remote_code)
+    try:
+        merged = AutoConfig.from_pretrained(merged_dir, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError):
+        return  # the evaluation worker says what it cannot read
+    if base is None:
+        return
+    merged, base = merged.get_text_config(), base.get_text_config()
+    differ = [f"{key} {getattr(merged, key)} (the model's: {getattr(base, key)})" for key in SHAPE_KEYS
+              if None not in (getattr(merged, key, None), getattr(base, key, None))
+              and getattr(merged, key) != getattr(base, key)]
+    if differ:
+        raise ConfigError([f"the merged checkpoint {merged_dir} is not made from model.source={cfg.model.source}: "
+                           f"{', '.join(differ)}; was it made from another model? (without --config the config of "
+                           "the run that made it is used)"], "merged checkpoint vs model")
