@@ -144,6 +144,16 @@ def test_gpu_specs_refused(spec):
         load_config(None, [f"hardware.gpus='{spec}'"])
 
 
+def test_a_run_directory_given_as_the_config_is_named_a_directory(tmp_path):
+    """`--config runs/<run>` said "config file not found: runs/<run>", of a directory that is there."""
+    with pytest.raises(ConfigError, match=f"{tmp_path} is a directory, not a config file$"):
+        load_config(tmp_path)
+    (tmp_path / "config.resolved.yaml").write_text("{}")
+    with pytest.raises(ConfigError, match=f"{tmp_path} is a directory, not a config file \\(the run's config is "
+                                          f"{tmp_path / 'config.resolved.yaml'}\\)"):
+        load_config(tmp_path)
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

@@ -653,6 +653,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         source = str(path)
         p = Path(path)
+        if p.is_dir():  # `--config runs/<run>`: the directory exists, "not found" misled
+            resolved = p / "config.resolved.yaml"
+            raise ConfigError([f"{p} is a directory, not a config file"
+                               + (f" (the run's config is {resolved})" if resolved.is_file() else "")], source)
         if not p.is_file():
             raise ConfigError([f"config file not found: {p}"], source)
         try:
