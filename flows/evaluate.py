@@ -28,7 +28,7 @@ from finetune_flows.config.preflight import (check_adapter_fits, check_merged_fi
 from finetune_flows.config.schema import FinetuneConfig, load_config  # noqa: E402
 from finetune_flows.evaluation.adapters import (  # noqa: E402
     Evaluated, EvaluationResult, check_evaluation_dir, create_eval_run_dir, eval_run_name, finish_evaluation,
-    named_adapter, render_evaluation, training_config, warn_if_other_base,
+    named_adapter, render_evaluation, training_config, warn_if_other_base, warn_if_other_split,
 )
 from finetune_flows.evaluation.evaluate import beside_adapter, publish_eval  # noqa: E402
 from finetune_flows.models.sources import materialize_tokenizer  # noqa: E402
@@ -62,6 +62,7 @@ def evaluate(adapter: str, config: FinetuneConfig | None = None) -> EvaluationRe
     config = without_tracking(config or load_config(allowed_config_file(training_config(target.path))))
     cfg = pin_hub_revisions(preflight(config, inventory))
     check_fits(target, cfg)  # another model's config fails here, not after quantizing it
+    warn_if_other_split(target.path, cfg)  # `--set data.eval_fraction=0.5`: training rows scored as held out
     run_dir = create_eval_run_dir(cfg)
 
     env, plan = verify_environment(cfg, run_dir, inventory)

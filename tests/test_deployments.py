@@ -194,6 +194,23 @@ def test_a_run_directory_or_a_merged_checkpoint_given_as_the_adapter_is_named_so
         "(give the `adapter/` directory of a fine-tune run, e.g. runs/<run>/adapter)"]
 
 
+def test_an_evaluation_on_another_split_than_the_adapters_run_is_named(tmp_path):
+    """`evaluate.py --adapter runs/<run>/adapter --set data.eval_fraction=0.9` scored 108 "held-out" rows, most of
+    them rows the adapter was trained on, without a word."""
+    from finetune_flows.config.schema import load_config
+    from finetune_flows.evaluation.adapters import split_changes
+
+    trained = load_config(None, ["data.builtin_examples=120"])
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "config.resolved.yaml").write_text(trained.to_yaml())
+    assert split_changes(tmp_path / "adapter", trained) == []
+    assert split_changes(tmp_path / "adapter", load_config(None, ["data.builtin_examples=120", "eval.max_samples=5",
+                                                                  "data.max_length=64"])) == []  # same rows
+    other = load_config(None, ["data.builtin_examples=120", "data.eval_fraction=0.9", "data.seed=7"])
+    assert split_changes(tmp_path / "adapter", other) == ["data.eval_fraction: 0.1 -> 0.9", "data.seed: 42 -> 7"]
+    assert split_changes(tmp_path / "elsewhere" / "adapter", other) == []  # no run config to compare with
+
+
 # ---------------------------------------------------------------- the real stack
 
 

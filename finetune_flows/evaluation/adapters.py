@@ -178,6 +178,29 @@ def training_config(evaluated: Path) -> Path:
     return found
 
 
+SPLIT_KEYS = ("source", "eval_source", "hub_split", "hub_revision", "eval_fraction", "held_out_fold_digits",
+              "max_samples", "builtin_examples", "seed")  # the data keys that decide which rows are held out
+
+
+def split_changes(evaluated: Path, cfg: FinetuneConfig) -> list[str]:
+    """The data keys deciding the held-out rows in which `cfg` differs from the config the adapter (or merged
+    checkpoint) was made with, `data.KEY: before -> now`; none where that config is not there."""
+    try:
+        trained = yaml.safe_load((evaluated.parent / TRAINING_CONFIG).read_text())["data"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return []
+    now = cfg.data.model_dump(mode="json")
+    return [f"data.{key}: {trained.get(key)!r} -> {now.get(key)!r}" for key in SPLIT_KEYS
+            if trained.get(key) != now.get(key)]
+
+
+def warn_if_other_split(evaluated: Path, cfg: FinetuneConfig) -> None:
+    if changes := split_changes(evaluated, cfg):
+        run_logger().warning("the held-out rows are not those of the run that made %s (%s, against its %s): rows it "
+                             "was trained on may be scored as held out", evaluated, "; ".join(changes),
+                             TRAINING_CONFIG)
+
+
 def same_base(trained_on: Path, base: Path) -> bool:
     """The same path, or the same store entry (`quantized/<key>`, `models/<key>`: the key fingerprints the weights)
     in another cache root: a copied or moved cache, another host's."""
