@@ -634,6 +634,33 @@ def test_a_ray_head_nothing_answers_at_is_said_before_anything_loads(monkeypatch
     cluster_fits(2, {"CPU": 2.0}, False, "head:6379")
 
 
+def test_a_port_that_accepts_connections_but_is_no_ray_head_is_said_before_anything_loads():
+    """A TCP connection was the whole check: the dashboard's HTTP port (or the client port without `ray://`) passed,
+    and ray.init failed (twice, with the retry) after the dataset and the 4-bit base were made."""
+    import http.server
+    import threading
+
+    from finetune_flows.runtime.ray_cluster import ray_problems
+
+    pytest.importorskip("ray")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        for address, what in ((f"127.0.0.1:{port}", "a Ray head's GCS port"),
+                              (f"ray://127.0.0.1:{port}", "a Ray Client server")):
+            cfg = load_config(None, ["hardware.launcher=ray", f"hardware.ray_address={address}"])
+            (problem,) = ray_problems(cfg)
+            assert problem.startswith(f"hardware.ray_address={address}: something accepts connections at "
+                                      f"127.0.0.1:{port}, but it is not {what}"), problem
+    finally:
+        server.shutdown()
+        server.server_close()
+    (problem,) = ray_problems(load_config(None, ["hardware.launcher=ray", "hardware.ray_address=headnode"]))
+    assert problem.startswith("hardware.ray_address=headnode: not an address Ray connects to: name the head as "
+                              "host:port"), problem
+
+
 @pytest.mark.parametrize("flow, args, said", [
     ("finetune", ["--config", "configs/demo.yaml", "--config", "configs/nightly.yaml"],
      "--config given more than once"),

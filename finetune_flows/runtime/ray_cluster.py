@@ -2,7 +2,9 @@
 
 `ray.init` retries an address nothing answers at for good (the run holding its device slot), and Ray Train waits for
 good for workers a cluster has no CPUs or GPUs for: both are one message here instead, the first before anything
-loads.
+loads. The head is asked a question only a Ray head answers (its cluster id; for `ray://`, the Ray Client server's
+ping): a port that merely accepts connections (the dashboard's 8265, the client port without `ray://`, a proxy)
+would otherwise pass, and `ray.init` fail after the model was loaded.
 """
 
 from __future__ import annotations
@@ -44,11 +46,41 @@ def ray_problems(cfg) -> list[str]:
     if address == "auto":
         return []
     host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return [f"hardware.ray_address={h.ray_address}: not an address Ray connects to: name the head as host:port "
+                "(`ray start --head` prints it; 6379 unless --port), `ray://host:10001`, or `auto`"]
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         return [f"hardware.ray_address={h.ray_address}: no Ray head answers at {address} ({exc})"]
-    return []
+    problem = head_answers(address, h.ray_address.startswith("ray://"))
+    return [f"hardware.ray_address={h.ray_address}: {problem}"] if problem else []
+
+
+def head_answers(address: str, client: bool) -> str | None:
+    """None where a Ray head's GCS (or, for `ray://`, a Ray Client server) answers at host:port within
+    CONNECT_SECONDS; else what answered instead."""
+    try:
+        import grpc
+        from ray._private.grpc_utils import init_grpc_channel  # TLS and token auth as Ray's own clients
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc, ray_client_pb2, ray_client_pb2_grpc
+    except ImportError:  # Ray moved its internals: ray.init reports what it finds
+        return None
+    with init_grpc_channel(address) as channel:
+        try:
+            if client:
+                ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(
+                    ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING),
+                    timeout=CONNECT_SECONDS)
+            else:
+                gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                    gcs_service_pb2.GetClusterIdRequest(), timeout=CONNECT_SECONDS)
+        except grpc.RpcError as exc:
+            what = ("a Ray Client server (`ray://`)" if client
+                    else "a Ray head's GCS port (what `ray start --head` prints)")
+            return (f"something accepts connections at {address}, but it is not {what}: "
+                    f"{exc.code().name}: {exc.details()}")
+    return None
 
 
 def cluster_fits(workers: int, resources: dict[str, float], on_gpu: bool, address: str) -> None:
