@@ -17,7 +17,8 @@ import pytest
 from conftest import REPO, child_env, tiny_config, tiny_overrides
 from flows.finetune import finetune
 from finetune_flows.config.schema import load_config
-from finetune_flows.training.distributed import agreed_checkpoint, fingerprint_parts, torchrun_command, train_command
+from finetune_flows.training.distributed import (agreed_checkpoint, fingerprint_parts, newest_checkpoint,
+                                                 torchrun_command, train_command)
 from finetune_flows.config.plan import Plan
 from finetune_flows.errors import ConfigError
 from scale_support import assert_same_curve, free_port
@@ -125,6 +126,23 @@ def test_resume_point_without_a_process_group_is_the_newest_complete_checkpoint(
             write_checkpoint_manifest(tmp_path / f"checkpoint-{step}")
     assert agreed_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
     assert agreed_checkpoint(tmp_path / "missing") is None
+
+
+def test_under_ray_the_resume_point_is_the_newer_of_rays_and_the_runs_own(tmp_path):
+    """Ray Train's newest checkpoint lags the reports: stopped just after step 40 was saved, Ray knew step 20 and the
+    retry resumed from it (train_metrics.json: resumed_from_step 20), though checkpoint-40 was complete."""
+    def checkpoint(path: Path, step: int) -> Path:
+        path.mkdir(parents=True)
+        (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        return path
+
+    ray20 = checkpoint(tmp_path / "ray/train/checkpoint_a/checkpoint", 20)
+    own40 = checkpoint(tmp_path / "checkpoints/checkpoint-40", 40)
+    assert newest_checkpoint(ray20, own40) == own40
+    ray40 = checkpoint(tmp_path / "ray/train/checkpoint_b/checkpoint", 40)
+    assert newest_checkpoint(ray40, own40) == ray40  # a tie: Ray's (its storage is the one every node reaches)
+    assert newest_checkpoint(ray20, None) == ray20 and newest_checkpoint(None, own40) == own40
+    assert newest_checkpoint(None, None) is None
 
 
 def test_launcher_report_reads_nccl_and_ray_logs_and_keeps_a_failed_launch():

@@ -245,8 +245,15 @@ def prepare_ranks(trainer, out: Path) -> tuple[bool, Path | None]:
     ckpt_dir = Path(trainer.args.output_dir)
     if in_ray_worker():
         trainer.add_callback(report_callback())
-        return shared, ray_checkpoint() or agreed_checkpoint(ckpt_dir)
+        return shared, newest_checkpoint(ray_checkpoint(), agreed_checkpoint(ckpt_dir))
     return shared, agreed_checkpoint(ckpt_dir)
+
+
+def newest_checkpoint(*found: Path | None) -> Path | None:
+    """The checkpoint of the highest step among those found (the first on a tie). Under Ray both are looked at: Ray
+    Train's newest checkpoint is the newest its controller had registered, which lags the workers' reports, so a run
+    stopped just after a save knew checkpoints Ray did not, and resumed further back than the run's own."""
+    return max((p for p in found if p is not None), key=checkpoint_step, default=None)
 
 
 # ---------------------------------------------------------------- under Ray Train (hardware.launcher: ray)
