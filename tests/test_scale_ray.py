@@ -113,6 +113,24 @@ def test_ray_train_on_two_nodes_matches_two_rank_torchrun(two_rank_reference, ra
     assert result.eval.adapter.generated == 8  # the adapter from Ray evaluates like any other
 
 
+@pytest.mark.timeout(120)
+def test_a_head_without_the_state_api_is_named_by_the_driver(ray_cluster):
+    """A head started where only ray[train] is installed runs no State API: Ray Train's PlacementGroupCleaner logged
+    a warning every second and stayed on the head after a stopped run, with no word on why. (A driver process of
+    its own, as the training step starts: Ray reads the fixture's loopback settings when it is imported.)"""
+    from finetune_flows.runtime.ray_cluster import state_api_problem
+
+    code = ("import sys, ray; from finetune_flows.runtime.ray_cluster import state_api_problem as p; "
+            "ray.init(address=sys.argv[1], log_to_driver=False); print(p(sys.argv[1])); ray.shutdown()")
+    proc = subprocess.run([sys.executable, "-c", code, ray_cluster.address], cwd=REPO, capture_output=True, text=True,
+                          timeout=100, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    problem = proc.stdout.strip().splitlines()[-1]
+    assert problem.startswith(f"the Ray cluster at {ray_cluster.address} serves no State API"), proc.stdout
+    assert "install 'ray[default]==2.60.0'" in problem
+    assert state_api_problem("ray://head:10001") is None  # through Ray Client: not asked
+
+
 @pytest.mark.timeout(600)
 def test_more_workers_than_the_cluster_has_is_one_message_not_a_wait(ray_cluster, shared_cache, tmp_path):
     """Ray Train waited for good for workers a cluster cannot place, holding the run's device slot."""

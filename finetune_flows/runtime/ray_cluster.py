@@ -94,3 +94,25 @@ def cluster_fits(workers: int, resources: dict[str, float], on_gpu: bool, addres
         raise EnvironmentMismatch([f"hardware.nodes x hardware.gpus_per_node = {workers} training workers, one {kind} "
                                    f"each, but the Ray cluster at {address} has {have:g} {kind}(s) in all; lower "
                                    "hardware.nodes or add nodes to the cluster"], "config vs the Ray cluster")
+
+
+def state_api_problem(address: str) -> str | None:
+    """In the connected driver: whether the cluster serves Ray's State API (its head's dashboard). Without it (a
+    head started by `ray start` where only ray[train] is installed, as `.[ray]` installs), Ray Train's detached
+    PlacementGroupCleaner cannot see its controller: it logs a warning every second of the run, and after a stopped
+    run it stays on the head for good."""
+    if address.startswith("ray://"):  # a Ray Client connection: the state API is the server's business
+        return None
+    import ray
+    from ray.util.state import list_nodes
+    from ray.util.state.exception import RayStateApiException
+
+    try:
+        list_nodes(address=ray.get_runtime_context().gcs_address, limit=1, timeout=CONNECT_SECONDS,
+                   raise_on_missing_output=False)
+    except RayStateApiException:
+        return (f"the Ray cluster at {address} serves no State API (its head runs the dashboard in minimal mode: "
+                "ray[default] is not installed where `ray start --head` ran), so Ray Train logs 'Failed to query "
+                "Ray Train Controller actor state' every second and a stopped run leaves a PlacementGroupCleaner "
+                "actor on the head; install 'ray[default]==2.60.0' there and restart the head")
+    return None

@@ -21,7 +21,7 @@ from finetune_flows.training.distributed import world_size
 from finetune_flows.config.plan import Plan
 from finetune_flows.runtime.launcher import COMPILE_CACHES
 from finetune_flows.runtime.lifecycle import rank_record, worker_main
-from finetune_flows.runtime.ray_cluster import cluster_fits
+from finetune_flows.runtime.ray_cluster import cluster_fits, state_api_problem
 from finetune_flows.training.worker import _train
 
 RAY_RUN_NAME = "train"
@@ -67,6 +67,8 @@ def run_on_ray(job: dict) -> dict:
               f"{resources.get('GPU', 0):g} GPU(s), {resources.get('CPU', 0):g} CPU(s); starting {workers} "
               f"{'GPU' if on_gpu else 'CPU'} worker(s)", flush=True)
         cluster_fits(workers, resources, on_gpu, cfg.hardware.ray_address)
+        if problem := state_api_problem(cfg.hardware.ray_address):
+            print(f"warning: {problem}", flush=True)
         TorchTrainer(
             train_loop_per_worker, train_loop_config=job,
             torch_config=TorchConfig(backend="nccl" if on_gpu else "gloo"),
