@@ -76,6 +76,10 @@ def head_answers(address: str, client: bool) -> str | None:
                 gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
                     gcs_service_pb2.GetClusterIdRequest(), timeout=CONNECT_SECONDS)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # a head that wants a token this host does not send
+                return (f"the Ray head at {address} refuses this host's credentials ({exc.details()}): it was "
+                        "started with token authentication; where the flow runs set RAY_AUTH_MODE=token and the "
+                        "cluster's token (~/.ray/auth_token, or RAY_AUTH_TOKEN)")
             what = ("a Ray Client server (`ray://`)" if client
                     else "a Ray head's GCS port (what `ray start --head` prints)")
             return (f"something accepts connections at {address}, but it is not {what}: "
