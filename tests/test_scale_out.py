@@ -66,7 +66,8 @@ def test_multi_node_torchrun_uses_c10d_rendezvous_named_by_the_run(tmp_path):
     plan = CPU_PLAN.model_copy(update={"nproc": 4})
     cmd = train_command(cfg, plan, tmp_path / "job.json", "run-fingerprint")
     assert cmd[cmd.index("torch.distributed.run") + 1:cmd.index("-m", 3)] == [
-        f"--log-dir={tmp_path / 'torchrun'}", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node0.cluster:29400",
+        f"--log-dir={tmp_path / 'torchrun'}", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node0.cluster:29400",
         "--rdzv-id=run-fingerprint", "--max-restarts=0", "--rdzv-conf=join_timeout=600"]
     assert fingerprint_parts(cfg, plan) == ["torchrun", 2, 4]
     ray = load_config(None, ["hardware.launcher=ray", "hardware.nodes=3", "hardware.gpus_per_node=8"])

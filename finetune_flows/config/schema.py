@@ -508,7 +508,8 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError([f"override `{assignment}`: the value is not valid YAML ({getattr(exc, 'problem', exc)}); "
-                           "quote a string that holds YAML's special characters: --set 'KEY=\"VALUE\"'"], "--set") from None
+                           "quote a string that holds YAML's special characters: --set 'KEY=\"VALUE\"'"],
+                          "--set") from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
