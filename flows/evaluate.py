@@ -23,11 +23,10 @@ if QUIET_WHILE_LOADING:  # Ctrl-C while the libraries below load: exit at once, 
 from prefect import flow  # noqa: E402
 
 from finetune_flows.cli import Once, quiet_tracebacks, run_cli  # noqa: E402
-from finetune_flows.config.preflight import (check_adapter_fits, check_merged_fits, cli_preflight,  # noqa: E402
-                                             preflight, without_tracking)
+from finetune_flows.config.preflight import cli_preflight, preflight, without_tracking  # noqa: E402
 from finetune_flows.config.schema import FinetuneConfig, load_config  # noqa: E402
 from finetune_flows.evaluation.adapters import (  # noqa: E402
-    Evaluated, EvaluationResult, check_evaluation_dir, create_eval_run_dir, eval_run_name, finish_evaluation,
+    EvaluationResult, check_evaluation_dir, check_fits, create_eval_run_dir, eval_run_name, finish_evaluation,
     named_adapter, render_evaluation, training_config, warn_if_other_base, warn_if_other_split,
 )
 from finetune_flows.evaluation.evaluate import beside_adapter, publish_eval  # noqa: E402
@@ -85,19 +84,6 @@ def evaluate(adapter: str, config: FinetuneConfig | None = None) -> EvaluationRe
 
     publish_eval(report)
     return finish_evaluation(run_dir, target, adapter_dir, report)
-
-
-def check_fits(target: Evaluated, cfg: FinetuneConfig) -> None:
-    """The adapter given, or the merged checkpoint and the adapter its card names (evaluated beside it), must fit
-    the config's model: with another model's config the merged checkpoint was scored beside the wrong base, and the
-    adapter then failed to load, after the model was quantized."""
-    if target.kind == "adapter":
-        check_adapter_fits(target.path, cfg)
-        return
-    if (adapter := named_adapter(target.path, quiet=True)) is not None:
-        check_adapter_fits(adapter, cfg, f" (which {target.path / 'README.md'} names as the adapter the checkpoint "
-                           "was merged from)")
-    check_merged_fits(target.path, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ import yaml
 
 from pydantic import BaseModel
 
+from finetune_flows.config.preflight import check_adapter_fits, check_merged_fits
 from finetune_flows.config.schema import FinetuneConfig
 from finetune_flows.errors import UserInputError
 from finetune_flows.evaluation.evaluate import EvalReport
@@ -192,6 +193,19 @@ def split_changes(evaluated: Path, cfg: FinetuneConfig) -> list[str]:
     now = cfg.data.model_dump(mode="json")
     return [f"data.{key}: {trained.get(key)!r} -> {now.get(key)!r}" for key in SPLIT_KEYS
             if trained.get(key) != now.get(key)]
+
+
+def check_fits(target: Evaluated, cfg: FinetuneConfig) -> None:
+    """The adapter given, or the merged checkpoint and the adapter its card names (evaluated beside it), must fit
+    the config's model: with another model's config the merged checkpoint was scored beside the wrong base, and the
+    adapter then failed to load, after the model was quantized."""
+    if target.kind == "adapter":
+        check_adapter_fits(target.path, cfg)
+        return
+    if (adapter := named_adapter(target.path, quiet=True)) is not None:
+        check_adapter_fits(adapter, cfg, f" (which {target.path / 'README.md'} names as the adapter the checkpoint "
+                           "was merged from)")
+    check_merged_fits(target.path, cfg)
 
 
 def warn_if_other_split(evaluated: Path, cfg: FinetuneConfig) -> None:

@@ -262,22 +262,13 @@ class Entry:
     @contextmanager
     def lock(self) -> Iterator[None]:
         """Hold the entry's exclusive lock; while another process holds it, wait and say so."""
-        logger = run_logger()
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            if not _try_lock(fd):
-                started = time.monotonic()
-                logger.info("waiting for %s: another run is producing it (%s)", self.label, _holder(self.lock_path))
-                report_at, interval = started + WAIT_REPORT_SECONDS, WAIT_REPORT_SECONDS
-                while not _try_lock(fd):
-                    time.sleep(LOCK_POLL_SECONDS)
-                    if time.monotonic() >= report_at:
-                        logger.info("still waiting for %s: %.0f s so far (%s)", self.label,
-                                    time.monotonic() - started, _holder(self.lock_path))
-                        interval = min(2 * interval, MAX_WAIT_REPORT_SECONDS)
-                        report_at = time.monotonic() + interval
-                logger.info("acquired the lock of %s after waiting %.1f s", self.label, time.monotonic() - started)
+            _wait_for_lock(fd, lambda: f"waiting for {self.label}: another run is producing it "
+                                       f"({_holder(self.lock_path)})",
+                           lambda s: f"still waiting for {self.label}: {s:.0f} s so far ({_holder(self.lock_path)})",
+                           lambda s: f"acquired the lock of {self.label} after waiting {s:.1f} s")
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                       "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}).encode(), 0)
@@ -285,7 +276,6 @@ class Entry:
             yield
         finally:
             os.close(fd)  # closing the only descriptor releases the flock
-
 
     def _wait_for_workers(self) -> None:
         """Wait until no worker of an earlier producer is left writing into the entry: the entry's lock dies with
@@ -295,23 +285,31 @@ class Entry:
         except FileNotFoundError:  # no producer of this entry started a worker that holds it
             return
         try:
-            if _try_lock(fd):
-                return
-            logger, started = run_logger(), time.monotonic()
-            logger.info("%s: the workers of an earlier attempt whose run was stopped are still saving into it: "
-                        "waiting for them to exit", self.label)
-            report_at, interval = started + WAIT_REPORT_SECONDS, WAIT_REPORT_SECONDS
-            while not _try_lock(fd):
-                time.sleep(LOCK_POLL_SECONDS)
-                if time.monotonic() >= report_at:
-                    logger.info("%s: still waiting for an earlier attempt's workers to exit: %.0f s so far",
-                                self.label, time.monotonic() - started)
-                    interval = min(2 * interval, MAX_WAIT_REPORT_SECONDS)
-                    report_at = time.monotonic() + interval
-            logger.info("%s: the earlier attempt's workers exited after %.1f s", self.label,
-                        time.monotonic() - started)
+            _wait_for_lock(fd, lambda: f"{self.label}: the workers of an earlier attempt whose run was stopped are "
+                                       "still saving into it: waiting for them to exit",
+                           lambda s: f"{self.label}: still waiting for an earlier attempt's workers to exit: "
+                                     f"{s:.0f} s so far",
+                           lambda s: f"{self.label}: the earlier attempt's workers exited after {s:.1f} s")
         finally:
             os.close(fd)
+
+
+def _wait_for_lock(fd: int, waiting: Callable[[], str], still: Callable[[float], str],
+                   done: Callable[[float], str]) -> None:
+    """Take the exclusive flock on `fd`; where another holds it, say so, poll, and say so again at growing
+    intervals (the messages: `waiting()`, `still(seconds)`, `done(seconds)`)."""
+    if _try_lock(fd):
+        return
+    logger, started = run_logger(), time.monotonic()
+    logger.info(waiting())
+    report_at, interval = started + WAIT_REPORT_SECONDS, WAIT_REPORT_SECONDS
+    while not _try_lock(fd):
+        time.sleep(LOCK_POLL_SECONDS)
+        if time.monotonic() >= report_at:
+            logger.info(still(time.monotonic() - started))
+            interval = min(2 * interval, MAX_WAIT_REPORT_SECONDS)
+            report_at = time.monotonic() + interval
+    logger.info(done(time.monotonic() - started))
 
 
 def _try_lock(fd: int) -> bool:
