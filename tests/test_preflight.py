@@ -634,6 +634,36 @@ def test_a_ray_head_nothing_answers_at_is_said_before_anything_loads(monkeypatch
     cluster_fits(2, {"CPU": 2.0}, False, "head:6379")
 
 
+def test_a_ray_head_that_wants_a_token_this_host_does_not_send_is_named_so():
+    """A head started with token authentication answers the cluster-id question with UNAUTHENTICATED: the message
+    says so and what to set, not that nothing there is a Ray head. A gRPC server speaking the GCS service stands in
+    for that head (starting a token-mode cluster needs the token on the host, which the test would then hold)."""
+    from concurrent import futures
+
+    grpc = pytest.importorskip("grpc")
+    pytest.importorskip("ray")
+    from ray.core.generated import gcs_service_pb2_grpc
+
+    from finetune_flows.runtime.ray_cluster import ray_problems
+
+    class TokenHead(gcs_service_pb2_grpc.NodeInfoGcsServiceServicer):
+        def GetClusterId(self, request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing authentication token")
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    gcs_service_pb2_grpc.add_NodeInfoGcsServiceServicer_to_server(TokenHead(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        cfg = load_config(None, ["hardware.launcher=ray", f"hardware.ray_address=127.0.0.1:{port}"])
+        (problem,) = ray_problems(cfg)
+    finally:
+        server.stop(None)
+    assert problem.startswith(f"hardware.ray_address=127.0.0.1:{port}: the Ray head at 127.0.0.1:{port} refuses this "
+                              "host's credentials (missing authentication token)"), problem
+    assert "RAY_AUTH_MODE=token" in problem
+
+
 def test_a_port_that_accepts_connections_but_is_no_ray_head_is_said_before_anything_loads():
     """A TCP connection was the whole check: the dashboard's HTTP port (or the client port without `ray://`) passed,
     and ray.init failed (twice, with the retry) after the dataset and the 4-bit base were made."""
