@@ -4,26 +4,38 @@ per device.
 Slot names are `device-<host>-gpu<id>` for each selected GPU (nvidia-smi id), or `device-<host>-cpu` for CPU
 runs. `make deploy` and `make worker` create the limits of their host, one slot each
 (`python -m finetune_flows.orchestration.concurrency`). A run that finds a device busy waits, and says so in its
-log every `WAIT_REPORT_SECONDS` (doubling up to every 5 minutes); when a limit does not exist, the step runs
-unguarded and says so once per process (not at all on the temporary server of a plain CLI run, where nothing else
-runs). Slots guard devices, not outputs: one writer per output is the store's entry lock (store/entries.py),
-always taken before the device slot.
+log, naming who holds it, every `WAIT_REPORT_SECONDS` (doubling up to every 5 minutes); when a limit does not
+exist, the step runs unguarded and says so once per process (not at all on the temporary server of a plain CLI
+run, where nothing else runs). Slots guard devices, not outputs: one writer per output is the store's entry lock
+(store/entries.py), always taken before the device slot. A holder that dies without releasing its slot (SIGKILL)
+leaves a lease that would hold the slot for up to `LEASE_SECONDS`; its slot file on this host (below) lets the
+next run release it as soon as the holder and its workers are gone.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import json
+import os
 import socket
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
+from uuid import UUID
 
 from finetune_flows.logs import run_logger
 from finetune_flows.runtime.gpus import read_inventory
+from finetune_flows.runtime.lifecycle import HELD_DEVICE_LOCKS
+from finetune_flows.runtime.processes import ProcessId, start_time
 
 WAIT_REPORT_SECONDS = 30.0
 MAX_WAIT_REPORT_SECONDS = 300.0
+LEASE_SECONDS = 300.0  # Prefect's default; renewed every 3/4 of it while held
+POLL_SECONDS = 1.0  # how often a waiter asks again, and checks whether the holder is still alive
 SLOT_PREFIX = "device-"
 
 
@@ -89,19 +101,159 @@ def _lease_holder():
     return ConcurrencyLeaseHolder(type="task_run", id=ctx.task_run.id) if ctx else None
 
 
-def _report_waiting(done: threading.Event, logger, label: str, started: float) -> None:
-    interval = WAIT_REPORT_SECONDS
-    while not done.wait(interval):
-        logger.info("still waiting for device slot(s) %s: %.0f s so far (another run holds the device, or a run "
-                    "that was killed does until its lease expires, about five minutes)", label,
-                    time.monotonic() - started)
-        interval = min(2 * interval, MAX_WAIT_REPORT_SECONDS)
+# ---------------------------------------------------------------- who holds a slot on this host
+# A lease outlives a holder that dies without releasing it (SIGKILL, OOM killer, power loss of the flow process)
+# until it expires, LEASE_SECONDS after its last renewal. Every slot name carries its host, so all who contend for
+# a slot run on that host: the holder keeps a shared flock on the slot's file in SLOT_DIR (with its lease id and
+# who it is), and so do its workers (DEVICE_LOCKS_ENV in runtime/lifecycle.py), which may outlive it by their stop
+# grace. The kernel drops the lock when the last of them dies; a waiter that can take the lock exclusively knows
+# the device is free and releases the dead holder's lease at once. Where the waiter cannot see the holder's file (a
+# container with its own /tmp) it waits for the lease to expire, and says so.
+
+
+def slot_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "finetune-flows-device-slots"
+
+
+def _slot_file(name: str, limit_id: Any) -> Path:
+    return slot_dir() / f"{name}.{limit_id}.lock"  # the limit's id: one file per server's limit, not per name
+
+
+def _open_slot_file(path: Path, create: bool) -> int | None:
+    """The slot file, shared by every user of the host (sticky directory, files everyone may lock); None where it
+    cannot be opened."""
+    try:
+        if create:
+            path.parent.mkdir(mode=0o1777, exist_ok=True)
+            if path.parent.stat().st_uid == os.getuid():
+                os.chmod(path.parent, 0o1777)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o666)
+    except OSError:
+        return None
+    try:
+        if create and os.fstat(fd).st_uid == os.getuid():
+            os.fchmod(fd, 0o666)
+    except OSError:
+        pass
+    return fd
+
+
+def _read_record(fd: int) -> dict[str, Any]:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe(record: dict[str, Any], held: bool = True) -> str:
+    """Who a slot file's record names; with `held` (its lock is taken), whether that is the holder or its workers."""
+    if not record:
+        return "a run that has not recorded itself yet"
+    who = f"flow run {record['flow_run_name']!r}" if record.get("flow_run_name") else "a process"
+    where = f"pid {record.get('pid')} on {record.get('host')}"
+    holder = ProcessId(record["pid"], record["start"]) if record.get("pid") and record.get("start") else None
+    if held and holder and record.get("host") == socket.gethostname() and not holder.is_running():
+        return f"the workers of {who} ({where}, which died: they are still stopping)"
+    return f"{who} ({where})"
+
+
+def _holder_or_reap(client, name: str, limit_id: Any, logger) -> str | None:
+    """Who holds slot `name` as this host sees it, or None once a dead holder's lease has been released here."""
+    fd = _open_slot_file(_slot_file(name, limit_id), create=False)
+    if fd is None:
+        return (f"held by a run this host has no record of (another container, or one killed as it took the slot): "
+                f"its lease frees the slot at most {LEASE_SECONDS / 60:.0f} minutes after it stopped renewing it")
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # the holder, or a worker of it, is alive
+            return f"held by {_describe(_read_record(fd))}"
+        record = _read_record(fd)
+        if not record.get("lease_id"):
+            return "held by a run that is taking the slot right now"
+        try:
+            client.release_concurrency_slots_with_lease(UUID(record["lease_id"]))  # a released lease: no-op
+        except Exception as exc:  # the server is unreachable for now: the next poll tries again
+            return f"held by {_describe(record, held=False)}, which died; releasing its lease failed ({exc})"
+        os.ftruncate(fd, 0)
+        logger.warning("device slot %s was held by %s, which died without releasing it (its workers are gone too): "
+                       "released its lease instead of waiting up to %.0f s for it to expire", name,
+                       _describe(record, held=False), LEASE_SECONDS)
+        return None
+    finally:
+        os.close(fd)  # drops our lock, if we took it
+
+
+class _Hold:
+    """This process's hold on the slot files while it holds the lease (a shared flock on each, with the record)."""
+
+    def __init__(self, limits: dict[str, Any], lease_id: UUID, logger):
+        from prefect.context import FlowRunContext
+
+        flow_run = getattr(FlowRunContext.get(), "flow_run", None)
+        record = json.dumps({"lease_id": str(lease_id), "host": socket.gethostname(), "pid": os.getpid(),
+                             "start": start_time(os.getpid()),
+                             "flow_run": str(flow_run.id) if flow_run else None,
+                             "flow_run_name": flow_run.name if flow_run else None, "since": time.time()}).encode()
+        self.fds, self.paths = [], []
+        for name, lim in limits.items():
+            path = _slot_file(name, lim.id)
+            fd = _open_slot_file(path, create=True)
+            if fd is None:
+                logger.warning("cannot write %s: a waiter for %s cannot tell if this run dies, and would wait for "
+                               "its lease to expire", path, name)
+                continue
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a waiter checks the file
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record, 0)
+            self.fds.append(fd)
+            self.paths.append(str(path))
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.ftruncate(fd, 0)  # the lease is released: nothing for a waiter to release
+            os.close(fd)
+        self.fds = []
+
+
+def held_slot_files() -> tuple[str, ...]:
+    """The slot files the device slots this task holds: its workers hold them too (launcher.worker_env)."""
+    return HELD_DEVICE_LOCKS.get()
+
+
+def _renew(lease_id: UUID, stop: threading.Event, logger, label: str) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        interval = LEASE_SECONDS * 0.75
+        while not stop.wait(interval):
+            try:
+                client.renew_concurrency_lease(lease_id, LEASE_SECONDS)
+                interval = LEASE_SECONDS * 0.75
+            except Exception as exc:  # a server restart: try again soon, before the lease expires
+                logger.warning("could not renew the lease on device slot(s) %s (%s): retrying in 10 s", label, exc)
+                interval = 10.0
+
+
+def _try_acquire(client, names: list[str]):
+    """The lease's id if every slot was free and is now ours, else None."""
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    try:
+        response = client.increment_concurrency_slots_with_lease(names, slots=1, mode="concurrency",
+                                                                  lease_duration=LEASE_SECONDS,
+                                                                  holder=_lease_holder())
+    except PrefectHTTPStatusError as exc:
+        if exc.response.status_code == 423:  # locked: a slot is taken
+            return None
+        raise
+    return UUID(response.json()["lease_id"])
 
 
 @contextmanager
 def device_slots(gpu_ids: list[int]) -> Iterator[None]:
-    """Hold one slot of each device's limit for the duration of the block; log the wait and the hold."""
-    from prefect.concurrency.sync import concurrency
+    """Hold one slot of each device's limit for the duration of the block; log the wait (for whom) and the hold."""
+    from prefect.client.orchestration import get_client
 
     logger = run_logger()
     limits = _existing_limits(slot_names(gpu_ids))
@@ -115,22 +267,38 @@ def device_slots(gpu_ids: list[int]) -> Iterator[None]:
         return
     names = list(limits)
     label = ", ".join(names)
-    busy = [n for n, lim in limits.items() if lim.active_slots >= lim.limit]
-    logger.info("waiting for device slot(s) %s%s", label, f" ({', '.join(busy)} busy)" if busy else "")
     started = time.monotonic()
-    acquired = threading.Event()
-    threading.Thread(target=_report_waiting, args=(acquired, logger, label, started), daemon=True).start()
+    report_at, interval = started, WAIT_REPORT_SECONDS
+    with get_client(sync_client=True) as client:
+        while (lease_id := _try_acquire(client, names)) is None:
+            now = {n: client.read_global_concurrency_limit_by_name(n) for n in names}
+            held = {n: _holder_or_reap(client, n, lim.id, logger) for n, lim in now.items()
+                    if lim.active_slots >= lim.limit}
+            held = {n: why for n, why in held.items() if why}
+            if held and time.monotonic() >= report_at:
+                waited = time.monotonic() - started
+                logger.info("waiting for device slot(s) %s%s: %s", label, f" ({waited:.0f} s so far)" if waited >= 1
+                            else "", "; ".join(f"{n} {why}" for n, why in held.items()))
+                report_at = started + interval if report_at == started else report_at + interval
+                interval = min(2 * interval, MAX_WAIT_REPORT_SECONDS)
+            time.sleep(POLL_SECONDS if held else 0.1)  # none held: just freed, or taken and released meanwhile
+    hold = _Hold(limits, lease_id, logger)
+    token = HELD_DEVICE_LOCKS.set(tuple(hold.paths))
+    stop = threading.Event()
+    threading.Thread(target=_renew, args=(lease_id, stop, logger, label), daemon=True).start()
+    held_since = time.monotonic()
+    logger.info("acquired device slot(s) %s after waiting %.1f s", label, held_since - started)
     try:
-        with concurrency(names, occupy=1, strict=True, holder=_lease_holder(), raise_on_lease_renewal_failure=False):
-            acquired.set()
-            held = time.monotonic()
-            logger.info("acquired device slot(s) %s after waiting %.1f s", label, held - started)
-            try:
-                yield
-            finally:
-                logger.info("releasing device slot(s) %s after holding them %.1f s", label, time.monotonic() - held)
+        yield
     finally:
-        acquired.set()
+        logger.info("releasing device slot(s) %s after holding them %.1f s", label, time.monotonic() - held_since)
+        stop.set()
+        HELD_DEVICE_LOCKS.reset(token)
+        try:
+            with get_client(sync_client=True) as client:
+                client.release_concurrency_slots_with_lease(lease_id)
+        finally:
+            hold.close()
 
 
 def main(argv: list[str] | None = None) -> int:

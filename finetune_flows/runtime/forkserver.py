@@ -49,6 +49,7 @@ PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
 # Read by the worker when it runs, never when a library is imported: a job may differ from its server in these.
 PER_JOB = frozenset({
     "FINETUNE_FLOWS_LAUNCHER", "FINETUNE_FLOWS_STOP_GRACE", "FINETUNE_FLOWS_FAULTS",  # runtime/lifecycle.py
+    "FINETUNE_FLOWS_DEVICE_LOCKS",
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",  # the rank
     "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",  # launcher.COMPILE_CACHES
     "PYTEST_CURRENT_TEST",  # pytest's, new for every test: keyed on it, a test suite started a server per test

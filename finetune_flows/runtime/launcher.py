@@ -33,7 +33,8 @@ from finetune_flows.errors import (
     DiskFull, UserInputError, WorkerFailed, WorkerInterrupted, WorkerOOM, WorkerStartTimeout)
 from finetune_flows.logs import run_logger
 from finetune_flows.runtime.lifecycle import (
-    EVENT_PREFIX, GRACE_ENV, LAUNCHER_ENV, classify, failure_path, preexec_die_with, raise_if_stopped,
+    DEVICE_LOCKS_ENV, EVENT_PREFIX, GRACE_ENV, HELD_DEVICE_LOCKS, LAUNCHER_ENV, classify, failure_path,
+    preexec_die_with, raise_if_stopped,
 )
 from finetune_flows.runtime.policy import worker_environment
 from finetune_flows.runtime.processes import (
@@ -280,6 +281,7 @@ def run_worker(
     env = worker_env(gpu_env)
     env[LAUNCHER_ENV] = str(ProcessId.of(os.getpid()))
     env[GRACE_ENV] = str(stop_grace)
+    env[DEVICE_LOCKS_ENV] = os.pathsep.join(HELD_DEVICE_LOCKS.get())
     output = WorkerOutput(step, workdir / f"{step}.log", logger, on_event)
     proc = start_worker(step, argv, env, logger)
     members: set[ProcessId] = set()

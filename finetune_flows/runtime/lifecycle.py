@@ -26,6 +26,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -36,6 +37,9 @@ from finetune_flows.runtime.processes import ProcessId, ancestors, remove_record
 LAUNCHER_ENV = "FINETUNE_FLOWS_LAUNCHER"  # "<pid> <start time>" of the orchestrator that started this worker tree
 GRACE_ENV = "FINETUNE_FLOWS_STOP_GRACE"  # seconds a worker has to stop after SIGTERM
 FAULTS_ENV = "FINETUNE_FLOWS_FAULTS"  # JSON, see Faults
+DEVICE_LOCKS_ENV = "FINETUNE_FLOWS_DEVICE_LOCKS"  # the slot files of the device slots held for this worker
+# ... as the task that holds them sees them (orchestration/concurrency.py sets it; the launcher passes it on)
+HELD_DEVICE_LOCKS: ContextVar[tuple[str, ...]] = ContextVar("held_device_slot_files", default=())
 EVENT_PREFIX = "@@event "  # a worker's structured output line (emit_event)
 
 PR_SET_PDEATHSIG = 1
@@ -456,7 +460,8 @@ def quiet_optional_hub_kernel_warning() -> None:
 
 def hold_workers_lock(path: str | None) -> None:
     """Hold the store entry's workers' lock (shared) until this process exits: the entry's next producer waits for
-    it, so a worker that outlives its stopped run finishes saving before another writes there (store/entries.py)."""
+    it, so a worker that outlives its stopped run finishes saving before another writes there (store/entries.py).
+    Also a device slot's file: the next run on that device waits for it."""
     if not path:
         return
     try:
@@ -473,6 +478,8 @@ def worker_main(fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
     quiet_optional_hub_kernel_warning()
     job = json.loads(Path(sys.argv[1]).read_text())
     hold_workers_lock(job.get("workers_lock"))
+    for path in filter(None, os.environ.get(DEVICE_LOCKS_ENV, "").split(os.pathsep)):
+        hold_workers_lock(path)  # the device stays taken while this worker lives (orchestration/concurrency.py)
     workdir = Path(job["workdir"])
     step = job["step"]
     try:
