@@ -274,6 +274,60 @@ def test_a_broken_local_checkpoint_is_one_message_before_any_server(tmp_path, sh
     assert_one_message_before_any_server(done, tmp_path, f"model.source={model}: {needle}")
 
 
+# Tiny models of each kind, as transformers' own classes save them: (config class, model class, config keys)
+SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+NOT_DECODERS = {
+    "bert": ("BertConfig", "BertForMaskedLM", SMALL, "an encoder-only (masked language) model"),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM", SMALL, "an encoder-only (masked language) model"),
+    "bart": ("BartConfig", "BartForConditionalGeneration",
+             dict(vocab_size=256, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                  decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64), "an encoder-decoder model"),
+    "t5": ("T5Config", "T5ForConditionalGeneration",
+           dict(vocab_size=256, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16), "an encoder-decoder model"),
+}
+
+
+def save_tiny_model(path: Path, config_class: str, model_class: str, keys: dict) -> None:
+    import transformers
+
+    getattr(transformers, model_class)(getattr(transformers, config_class)(**keys)).save_pretrained(path)
+
+
+@pytest.mark.parametrize("kind", sorted(NOT_DECODERS))
+def test_a_model_that_is_no_decoder_only_causal_lm_is_one_message_before_any_model_loads(tmp_path, kind):
+    """transformers maps BERT (and BART) to a causal-LM head class, so such a checkpoint passed every check, was
+    quantized and failed in the training worker after a server had started; T5's message was a class repr."""
+    from finetune_flows.config.preflight import check_lora_targets_of_source
+    from finetune_flows.errors import ModelSourceError
+
+    config_class, model_class, keys, kind_said = NOT_DECODERS[kind]
+    save_tiny_model(tmp_path / kind, config_class, model_class, keys)
+    with pytest.raises(ModelSourceError) as refused:
+        check_lora_targets_of_source(load_config(None, [f"model.source={tmp_path / kind}"]))
+    assert str(refused.value) == (
+        f"model.source={tmp_path / kind}: model_type={kind} ({model_class}) is {kind_said}; fine-tuning here needs a "
+        "decoder-only causal language model (Llama, Qwen, Mistral, Phi-3, Gemma, GPT-2 and the like)")
+
+
+def test_a_bert_checkpoint_is_refused_by_the_cli_before_any_server(tmp_path):
+    config_class, model_class, keys, _ = NOT_DECODERS["bert"]
+    save_tiny_model(tmp_path / "bert", config_class, model_class, keys)
+    done = cli(tmp_path, "--set", f"model.source={tmp_path / 'bert'}")
+    assert_one_message_before_any_server(done, tmp_path, f"model.source={tmp_path / 'bert'}: model_type=bert "
+                                         "(BertForMaskedLM) is an encoder-only (masked language) model")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gpt2",
+                                        "gpt_neox", "falcon"])
+def test_decoder_only_models_pass_the_causal_lm_check(tmp_path, model_type):
+    from transformers import AutoConfig
+
+    from finetune_flows.config.preflight import check_lora_targets_of_source
+
+    AutoConfig.for_model(model_type, **SMALL, pad_token_id=0).save_pretrained(tmp_path)
+    check_lora_targets_of_source(load_config(None, [f"model.source={tmp_path}"]))
+
+
 def test_cli_names_the_yaml_file_and_line(tmp_path):
     config = tmp_path / "broken.yaml"
     config.write_text("train:\n  max_steps: 5\n  learning_rate: [1e-4\n")

@@ -28,8 +28,8 @@ from finetune_flows.data.rows import row_names
 from finetune_flows.errors import (ConfigError, DataError, EnvironmentMismatch, ModelSourceError,
                                    UserInputError, first_line)
 from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
-from finetune_flows.models.sources import (check_model_source, check_weight_files, model_config,
-                                           tokenizer_without_download)
+from finetune_flows.models.sources import (check_causal_lm, check_model_source, check_weight_files,
+                                           model_config, tokenizer_without_download)
 from finetune_flows.packages import installed_version
 from finetune_flows.store.entries import LOCKS, VERIFIED
 from finetune_flows.store.fingerprint import cached_hub_commit, is_hub_model, uncached_hub_sources
@@ -309,8 +309,9 @@ def check_lora_targets(model_dir: Path, targets: list[str] | str, trust_remote_c
 def check_lora_targets_of_source(cfg: FinetuneConfig) -> None:
     """The model source built on the meta device from its config, before anything is loaded or generated, and
     check_lora_targets on it. A checkpoint's config.json (a local directory's, a Hub id's in the local Hub cache) is
-    built even with all-linear: one transformers cannot build as a causal LM (an unknown model_type) is one message
-    here, not a traceback from the quantize worker after a server started. A GGUF's metadata (seconds to read) and
+    built even with all-linear: one transformers cannot build as a causal LM (an unknown model_type), or that is no
+    decoder-only causal LM (BERT, BART: check_causal_lm), is one message here, not a traceback from a worker after a
+    server started. A GGUF's metadata (seconds to read) and
     a generated shape (ours) only to check listed targets; where only a download would give the config (a Hub id not
     cached here), the training step checks it instead."""
     source, listed = cfg.model.source, cfg.lora.target_modules != "all-linear"
@@ -319,16 +320,26 @@ def check_lora_targets_of_source(cfg: FinetuneConfig) -> None:
     remote = cfg.model.trust_remote_code
     try:
         config = model_config(source, cfg.model.revision, remote)
-        packed = hasattr(config, "quantization_config")  # a quantized checkpoint: its tensors have packed shapes
-        model = None if config is None else _meta_model(config, remote)
     except Exception as exc:  # what the quantize worker would have met, after a server had started
-        raise ModelSourceError(f"model.source={source}: transformers cannot build a causal language model from its "
-                               f"config ({type(exc).__name__}: {first_line(exc)})") from None
+        raise _unbuildable(source, exc) from None
+    if config is None:
+        return
+    check_causal_lm(source, config)  # before the meta build: transformers builds BERT as a causal LM
+    packed = hasattr(config, "quantization_config")  # a quantized checkpoint: its tensors have packed shapes
+    try:
+        model = _meta_model(config, remote)
+    except Exception as exc:
+        raise _unbuildable(source, exc) from None
     path = Path(source).expanduser()
-    if model is not None and path.is_dir() and not packed:
+    if path.is_dir() and not packed:
         check_weight_shapes(source, path, model)
-    if model is not None and listed:
+    if listed:
         lora_target_problems(model, cfg.lora.target_modules)
+
+
+def _unbuildable(source: str, exc: Exception) -> ModelSourceError:
+    return ModelSourceError(f"model.source={source}: transformers cannot build a causal language model from its "
+                            f"config ({type(exc).__name__}: {first_line(exc)})")
 
 
 def check_weight_shapes(source: str, path: Path, model) -> None:

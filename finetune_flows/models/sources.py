@@ -118,6 +118,25 @@ def model_config(source: str, revision: str | None = None, trust_remote_code: bo
     return AutoConfig.from_pretrained(Path(cached).parent, trust_remote_code=trust_remote_code)
 
 
+def check_causal_lm(source: str, config) -> None:
+    """Only a decoder-only causal language model fine-tunes here. transformers has a causal-LM head for encoder-only
+    models (BERT, RoBERTa: model types with a masked-LM class) and for some encoder-decoder ones (BART), so they
+    built and quantized, then failed in the training worker; refused by name before any model loads."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "is_encoder_decoder", False):
+        kind = "an encoder-decoder model"
+    elif model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        kind = "an encoder-only (masked language) model"
+    else:
+        return
+    architectures = getattr(config, "architectures", None) or []
+    named = f"model_type={model_type}" + (f" ({', '.join(architectures)})" if architectures else "")
+    raise ModelSourceError(f"model.source={source}: {named} is {kind}; fine-tuning here needs a decoder-only causal "
+                           "language model (Llama, Qwen, Mistral, Phi-3, Gemma, GPT-2 and the like)")
+
+
 def check_weight_files(source: str, path: Path) -> None:
     """Every shard a weight index names is there, and every safetensors file's header reads (headers only: a
     truncated or half-copied file fails here, not in the quantize worker after a server started)."""
