@@ -274,6 +274,28 @@ def test_a_broken_local_checkpoint_is_one_message_before_any_server(tmp_path, sh
     assert_one_message_before_any_server(done, tmp_path, f"model.source={model}: {needle}")
 
 
+@pytest.mark.parametrize("fault", ["truncated weights", "config of another size"])
+def test_a_broken_checkpoint_in_the_local_hub_cache_is_one_message_before_any_model_loads(tmp_path, shared_cache,
+                                                                                           monkeypatch, fault):
+    """A Hub id's snapshot in the local Hub cache had no shape check and (with the Hub reachable) no header check,
+    where a local directory has both: it passed, and the quantize or train worker failed after a server started."""
+    import huggingface_hub.constants
+
+    import finetune_flows.config.preflight as checks
+    from finetune_flows.errors import ModelSourceError
+    from test_offline_hub import hub_cache_entry
+
+    needle = broken_checkpoint(tmp_path / "model", shared_cache, fault)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(checks, "hub_reachable", lambda: True)  # a shard missing would be downloaded: no excuse
+    snapshot = hub_cache_entry(tmp_path / "hub", "model", "org/tiny", tmp_path / "model")
+    with pytest.raises(ModelSourceError) as refused:
+        preflight(load_config(None, ["model.source=org/tiny", f"run.cache_dir={tmp_path / 'c'}",
+                                     f"run.output_dir={tmp_path / 'runs'}"]))
+    assert str(refused.value).startswith(f"model.source=org/tiny: {needle}"), refused.value
+    assert str(refused.value).endswith(f" (in the local Hub cache, {snapshot})"), refused.value
+
+
 # Tiny models of each kind, as transformers' own classes save them: (config class, model class, config keys)
 SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
 NOT_DECODERS = {

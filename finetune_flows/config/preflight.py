@@ -28,7 +28,7 @@ from finetune_flows.data.rows import row_names
 from finetune_flows.errors import (ConfigError, DataError, EnvironmentMismatch, ModelSourceError,
                                    UserInputError, first_line)
 from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
-from finetune_flows.models.sources import (check_causal_lm, check_model_source, check_weight_files,
+from finetune_flows.models.sources import (check_causal_lm, check_model_source, check_weight_files, hub_snapshot,
                                            model_config, tokenizer_without_download)
 from finetune_flows.packages import installed_version
 from finetune_flows.store.entries import LOCKS, VERIFIED
@@ -311,9 +311,10 @@ def check_lora_targets_of_source(cfg: FinetuneConfig) -> None:
     check_lora_targets on it. A checkpoint's config.json (a local directory's, a Hub id's in the local Hub cache) is
     built even with all-linear: one transformers cannot build as a causal LM (an unknown model_type), or that is no
     decoder-only causal LM (BERT, BART: check_causal_lm), is one message here, not a traceback from a worker after a
-    server started. A GGUF's metadata (seconds to read) and
-    a generated shape (ours) only to check listed targets; where only a download would give the config (a Hub id not
-    cached here), the training step checks it instead."""
+    server started; its safetensors headers are checked against that model (check_weight_shapes; a Hub snapshot's
+    also for being readable, as check_model_source checks a local directory's). A GGUF's metadata (seconds to read)
+    and a generated shape (ours) only to check listed targets; where only a download would give the config (a Hub id
+    not cached here), the training step checks it instead."""
     source, listed = cfg.model.source, cfg.lora.target_modules != "all-linear"
     if not listed and (source.startswith(("builtin:", "generated:")) or Path(source).expanduser().is_file()):
         return
@@ -333,6 +334,13 @@ def check_lora_targets_of_source(cfg: FinetuneConfig) -> None:
     path = Path(source).expanduser()
     if path.is_dir() and not packed:
         check_weight_shapes(source, path, model)
+    if (snapshot := hub_snapshot(source, cfg.model.revision)) is not None:
+        try:  # a shard the snapshot lacks is downloaded, or named by hub_problems where the Hub is out of reach
+            check_weight_files(source, snapshot, shards=False)
+            if not packed:
+                check_weight_shapes(source, snapshot, model)
+        except ModelSourceError as exc:
+            raise ModelSourceError(f"{exc} (in the local Hub cache, {snapshot})") from None
     if listed:
         lora_target_problems(model, cfg.lora.target_modules)
 
@@ -343,10 +351,11 @@ def _unbuildable(source: str, exc: Exception) -> ModelSourceError:
 
 
 def check_weight_shapes(source: str, path: Path, model) -> None:
-    """Each safetensors tensor of a local checkpoint against the tensor of that name in the model its config.json
-    builds (`model`, on the meta device; the headers only are read): a config.json of another size of the model
-    loads as 4-bit without a word from transformers (bitsandbytes packs the tensors as they are) and trains on
-    nonsense. Names the model does not have are left to transformers (it renames some)."""
+    """Each safetensors tensor of a local checkpoint (or of a Hub id's snapshot in the local Hub cache) against the
+    tensor of that name in the model its config.json builds (`model`, on the meta device; the headers only are
+    read): a config.json of another size of the model loads as 4-bit without a word from transformers (bitsandbytes
+    packs the tensors as they are) and trains on nonsense. Names the model does not have are left to transformers
+    (it renames some)."""
     from safetensors import safe_open
 
     expected = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}

@@ -110,12 +110,18 @@ def model_config(source: str, revision: str | None = None, trust_remote_code: bo
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     if path.is_dir():
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    snapshot = hub_snapshot(source, revision)
+    return None if snapshot is None else AutoConfig.from_pretrained(snapshot, trust_remote_code=trust_remote_code)
+
+
+def hub_snapshot(source: str, revision: str | None = None) -> Path | None:
+    """The local Hub cache's snapshot directory of a Hub id's revision, where the cache holds its config.json."""
+    if not is_hub_model(source):
+        return None
     from huggingface_hub import try_to_load_from_cache
 
     cached = try_to_load_from_cache(source, "config.json", revision=revision)
-    if not isinstance(cached, str):
-        return None
-    return AutoConfig.from_pretrained(Path(cached).parent, trust_remote_code=trust_remote_code)
+    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def check_causal_lm(source: str, config) -> None:
@@ -137,12 +143,13 @@ def check_causal_lm(source: str, config) -> None:
                            "language model (Llama, Qwen, Mistral, Phi-3, Gemma, GPT-2 and the like)")
 
 
-def check_weight_files(source: str, path: Path) -> None:
-    """Every shard a weight index names is there, and every safetensors file's header reads (headers only: a
-    truncated or half-copied file fails here, not in the quantize worker after a server started)."""
+def check_weight_files(source: str, path: Path, shards: bool = True) -> None:
+    """Every shard a weight index names is there (with `shards`), and every safetensors file's header reads (headers
+    only: a truncated or half-copied file fails here, not in the quantize worker after a server started)."""
     from safetensors import safe_open
 
-    for index in sorted([*path.glob("*.safetensors.index.json"), *path.glob("*.bin.index.json")]):
+    indexes = [*path.glob("*.safetensors.index.json"), *path.glob("*.bin.index.json")] if shards else []
+    for index in sorted(indexes):
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
