@@ -301,3 +301,24 @@ def test_constant_without_warm_up_is_accepted_and_the_run_length_reads_in_steps_
     assert load_config(None, ["train.lr_scheduler=constant"]).train.lr_scheduler == "constant"  # the default warm-up
     assert load_config(None, []).train.length == "100 steps"
     assert load_config(None, ["train.max_steps=-1", "train.epochs=2.5"]).train.length == "2.5 epoch(s)"  # not -1 steps
+
+
+def test_the_run_directory_records_the_cache_the_run_used(tmp_path, monkeypatch):
+    """With FINETUNE_FLOWS_CACHE set, config.resolved.yaml said `run.cache_dir: <the config's>`, a cache the run never
+    touched: a run reproduced from the file without the variable rebuilt every step in another cache."""
+    from finetune_flows.store.runs import create_run_dir
+
+    monkeypatch.setenv("FINETUNE_FLOWS_CACHE", str(tmp_path / "used"))
+    cfg = load_config(None, [f"run.cache_dir={tmp_path / 'set'}", f"run.output_dir={tmp_path / 'runs'}"])
+    recorded_file = create_run_dir(cfg) / "config.resolved.yaml"
+    assert yaml.safe_load(recorded_file.read_text())["run"]["cache_dir"] == str(tmp_path / "used")
+    monkeypatch.delenv("FINETUNE_FLOWS_CACHE")
+    reproduced = load_config(recorded_file)  # re-run from the file: the same cache, and otherwise the same config
+    assert reproduced.cache_root == tmp_path / "used" and reproduced.model_copy(
+        update={"run": cfg.run}).fingerprint() == cfg.fingerprint()
+    # without the variable (or where it names the configured cache) the setting is kept as written
+    default = load_config(None, [f"run.output_dir={tmp_path / 'runs'}"])
+    assert yaml.safe_load((create_run_dir(default) / "config.resolved.yaml").read_text())["run"]["cache_dir"] == \
+        "~/.cache/finetune-flows"
+    monkeypatch.setenv("FINETUNE_FLOWS_CACHE", str(tmp_path / "set"))
+    assert cfg.as_recorded() is cfg

@@ -205,13 +205,9 @@ def test_linking_the_weights_into_runs_does_not_make_the_next_reuse_hash_them_ag
     assert entry.problem() == "model.safetensors does not match its sha256 in the manifest"
 
 
-def test_the_cards_front_matter_names_a_local_base_whose_path_yaml_would_cut(tmp_path):
-    """`base_model: /models/exp #3` was written unquoted: YAML read `/models/exp` (the rest a comment), and a path
-    with ": " made the whole front matter unreadable, so `flows/evaluate.py --merged` lost the adapter it names."""
-    import yaml
-
+def card_inputs(tmp_path: Path) -> tuple:
+    """What render_card takes besides the config: a merged model, its base, data and environment (records only)."""
     from finetune_flows.data.dataset import PreparedDataset
-    from finetune_flows.export.model_card import render_card
     from finetune_flows.models.quantize import QuantizedModel
     from finetune_flows.runtime.environment import EnvironmentReport
 
@@ -225,6 +221,17 @@ def test_the_cards_front_matter_names_a_local_base_whose_path_yaml_would_cut(tmp
     env = EnvironmentReport(python="3.11", platform="linux", torch="2.13", cuda_available=False, cuda_version=None,
                             driver_version=None, gpus=[], versions={}, attention={}, bitsandbytes_4bit="available",
                             hub_reachable=False)
+    return merged, base, data, env
+
+
+def test_the_cards_front_matter_names_a_local_base_whose_path_yaml_would_cut(tmp_path):
+    """`base_model: /models/exp #3` was written unquoted: YAML read `/models/exp` (the rest a comment), and a path
+    with ": " made the whole front matter unreadable, so `flows/evaluate.py --merged` lost the adapter it names."""
+    import yaml
+
+    from finetune_flows.export.model_card import render_card
+
+    merged, base, data, env = card_inputs(tmp_path)
     adapter = tmp_path / "run" / "adapter"
     for source in ("/models/exp #3", "/models/v1: rerun", "generated:tiny-llama"):
         cfg = load_config(None, [f"model.source={json.dumps(source)}"])  # quoted: --set parses YAML
@@ -232,3 +239,18 @@ def test_the_cards_front_matter_names_a_local_base_whose_path_yaml_would_cut(tmp
         front = yaml.safe_load(card.split("---\n", 2)[1])
         assert front["base_model"] == source and front["finetune_flows"]["adapter"] == str(adapter), card[:300]
     assert "base_model: generated:tiny-llama\n" in card  # quoted only where YAML needs it
+
+
+def test_the_cards_configuration_names_the_cache_the_run_used(tmp_path, monkeypatch):
+    """With FINETUNE_FLOWS_CACHE set, the card's configuration named the config's run.cache_dir, which the run never
+    used; it now says what config.resolved.yaml says."""
+    import yaml
+
+    from finetune_flows.export.model_card import render_card
+
+    monkeypatch.setenv("FINETUNE_FLOWS_CACHE", str(tmp_path / "used"))
+    cfg = load_config(None, [f"run.cache_dir={tmp_path / 'set'}"])
+    merged, base, data, env = card_inputs(tmp_path)
+    card = render_card("run", merged, cfg, base, data, env, [], tmp_path / "adapter", tmp_path / "config.resolved.yaml")
+    configuration = yaml.safe_load(card.split("## Configuration\n\n```yaml\n")[1].split("```")[0])
+    assert configuration["run"]["cache_dir"] == str(tmp_path / "used")

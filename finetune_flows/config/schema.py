@@ -453,7 +453,8 @@ class RunConfig(Section):
     cache_dir: str = Field(
         "~/.cache/finetune-flows",
         description="Content-addressed store for converted models, tokenized datasets, 4-bit checkpoints and "
-        "adapters, shared by runs. `FINETUNE_FLOWS_CACHE` overrides it.",
+        "adapters, shared by runs. `FINETUNE_FLOWS_CACHE` overrides it (a run's config.resolved.yaml then records "
+        "that cache here).",
     )
 
 
@@ -480,6 +481,15 @@ class FinetuneConfig(Section):
     @property
     def cache_root(self) -> Path:
         return Path(os.environ.get("FINETUNE_FLOWS_CACHE") or self.run.cache_dir).expanduser().resolve()
+
+    def as_recorded(self) -> "FinetuneConfig":
+        """The config as a run records it (config.resolved.yaml, MLflow params, the model card): where
+        FINETUNE_FLOWS_CACHE overrode run.cache_dir, run.cache_dir is the cache used, so a run reproduced from the
+        file without that variable reads and writes the same cache; otherwise the config as it is."""
+        if not os.environ.get("FINETUNE_FLOWS_CACHE") or Path(self.run.cache_dir).expanduser().resolve() == \
+                self.cache_root:
+            return self
+        return self.model_copy(update={"run": self.run.model_copy(update={"cache_dir": str(self.cache_root)})})
 
     def attention_settings(self) -> dict[str, str]:
         """Each attention key of the run with its value: the hardware's, and evaluation's own where it is set."""

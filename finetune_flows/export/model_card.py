@@ -80,7 +80,8 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
         "```", "",
         "## Versions", "", "| package | version |", "|---|---|", f"| python | {env.python} |",
         f"| torch | {env.torch} (CUDA {env.cuda_version}) |", *versions, "",
-        "## Configuration", "", "```yaml", trained.to_yaml().rstrip(), "```", "",
+        "## Configuration", "", "```yaml", (trained if trained is not cfg else cfg.as_recorded()).to_yaml().rstrip(),
+        "```", "",
     ]
     if trained is not cfg:
         lines += ["The export itself ran with another config; its `export` and `quantization` sections:", "",

@@ -147,7 +147,8 @@ def _log(cfg: FinetuneConfig, plan: Plan, result) -> str:
     run_id = run.info.run_id
     try:
         now = int(time.time() * 1000)
-        settings = {**dotted(cfg.model_dump(mode="json")), **dotted(plan.model_dump(mode="json"), "plan.")}
+        settings = {**dotted(cfg.as_recorded().model_dump(mode="json")),  # run.cache_dir: the cache used
+                    **dotted(plan.model_dump(mode="json"), "plan.")}
         params = [Param(k, str(v)[:6000]) for k, v in settings.items()]  # MLflow's limit on a param value
         metrics = [Metric("train/loss", loss, now, step) for step, loss in train.loss_curve]
         metrics += [Metric(f"train/{k}", float(getattr(train, k)), now, train.steps)

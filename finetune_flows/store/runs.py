@@ -27,7 +27,7 @@ def create_run_dir(cfg: FinetuneConfig) -> Path:
             break
         except FileExistsError:
             continue
-    write_atomic(run_dir / "config.resolved.yaml", cfg.to_yaml())
+    write_atomic(run_dir / "config.resolved.yaml", cfg.as_recorded().to_yaml())  # the cache used, not the one set
     return run_dir
 
 
