@@ -78,6 +78,16 @@ def test_command_prints_the_table_and_refuses_what_is_not_a_run(tmp_path, capsys
     assert f"{tmp_path}: not a completed fine-tune run (no summary.json)" in capsys.readouterr().err
 
 
+def test_the_same_run_given_twice_is_refused_naming_it(tmp_path, capsys):
+    """`compare A A` (or A and ./A/) printed a table of zero changes, "No regression.", with no word."""
+    run = make_run(tmp_path, "nightly", "20261129-013000", summary(0.2, 0.8))
+    for other in (run, tmp_path / "." / run.name):
+        assert main([str(run), str(other)]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: {run} and {other} are the same run ({run.resolve()}): give two different runs, or one "
+                       "to compare it with its previous run\n")
+
+
 def test_the_settings_in_which_the_two_runs_differ_are_named_beside_the_verdicts(tmp_path):
     """A 20-step run marked WORSE against a 40-step one read as a regression of the data or code."""
     previous = make_run(tmp_path, "nightly", "20261129-013000", summary(0.2, 0.8))

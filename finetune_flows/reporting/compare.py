@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if len(args.runs) == 2:
         previous, current = args.runs
+        if previous.resolve() == current.resolve():  # a table of zero changes would read as "no regression"
+            print(f"error: {previous} and {current} are the same run ({current.resolve()}): give two different runs, "
+                  "or one to compare it with its previous run", file=sys.stderr)
+            return 2
     elif args.runs:
         current, previous = args.runs[0], previous_run(args.runs[0])
     else:
