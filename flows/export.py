@@ -5,6 +5,8 @@
 
 Writes `runs/<name>-export-<time>-<id>/merged/` (weights, tokenizer, README.md model card) after checking that
 the merged model's logits match base + adapter. The fine-tune flow does the same at its end (`export.merge`).
+The other `export.*` keys apply here as there; `export.merge` does not: this command always merges (a config
+with `export.merge: false`, e.g. the run's own, is fine; `--set export.merge=false` is refused).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from prefect import flow  # noqa: E402
 from finetune_flows.cli import Once, quiet_tracebacks, run_cli  # noqa: E402
 from finetune_flows.config.preflight import check_adapter_fits, cli_preflight, without_tracking  # noqa: E402
 from finetune_flows.config.schema import FinetuneConfig, check_config, load_config  # noqa: E402
+from finetune_flows.errors import UserInputError  # noqa: E402
 from finetune_flows.evaluation.adapters import check_adapter_dir, training_config, warn_if_other_base  # noqa: E402
 from finetune_flows.export.merge import ExportResult  # noqa: E402
 from finetune_flows.export.model_card import adapter_eval_table, create_export_run_dir  # noqa: E402
@@ -75,6 +78,14 @@ def show(result: ExportResult) -> None:
           f"model card: {result.path / 'README.md'}")
 
 
+def check_merge_not_turned_off(cfg: FinetuneConfig, overrides: list[str]) -> None:
+    """`--set export.merge=false` asks this command not to do the one thing it does: refused, not ignored. A config
+    file's `export.merge: false` is a fine-tune run's choice to merge later, with this command: no matter here."""
+    if not cfg.export.merge and any(o.partition("=")[0].strip() == "export.merge" for o in overrides):
+        raise UserInputError("--set export.merge=false: flows/export.py always merges (export.merge turns off only "
+                             "the fine-tune flow's merge at its end); leave it out")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", action=Once, required=True,
@@ -87,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     # checked before a Prefect server starts; the run's temporary server and workers stop with it (run_cli)
     def checked() -> FinetuneConfig:
         adapter_dir = check_adapter_dir(args.adapter)
-        cfg = cli_preflight(without_tracking(load_config(args.config or training_config(adapter_dir), args.overrides)))
+        cfg = load_config(args.config or training_config(adapter_dir), args.overrides)
+        check_merge_not_turned_off(cfg, args.overrides)
+        cfg = cli_preflight(without_tracking(cfg))
         check_adapter_fits(adapter_dir, cfg)
         return cfg
 

@@ -22,7 +22,8 @@ from finetune_flows.runtime.gpus import GpuSelection
 
 
 CACHE_KEY = CacheKey("merged", merge.merge_fingerprint, hashes=(
-    "the 4-bit base and dataset keys", "the adapter's files", "export.* settings", "device and compute dtype"))
+    "the 4-bit base and dataset keys", "the adapter's files", "export.* settings but export.merge",
+    "device and compute dtype"))
 
 
 @step(name="merge-adapter", cache_key=CACHE_KEY, retries=1, retry_delay_seconds=10,

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 import finetune_flows.store.fingerprint as fingerprint
 from finetune_flows.config.schema import (
-    DataConfig, EvalConfig, LoraConfig, QuantizationConfig, TrainConfig, load_config,
+    DataConfig, EvalConfig, ExportConfig, LoraConfig, QuantizationConfig, TrainConfig, load_config,
 )
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.config.plan import Plan
@@ -26,11 +26,14 @@ from finetune_flows.models.quantize import QuantizedModel
 from finetune_flows.orchestration.steps import Step
 from finetune_flows.runtime.gpus import GpuSelection
 from finetune_flows.training.train import TRAIN_KEYS_NOT_IN_CACHE_KEY
-from tasks import evaluate_adapter, evaluate_checkpoint, prepare_dataset, quantize_base_model, train_adapter
+from tasks import (
+    evaluate_adapter, evaluate_checkpoint, merge_adapter, prepare_dataset, quantize_base_model, train_adapter,
+)
 
 # Each step's key as its task module declares it
 data_key, quantize_key = prepare_dataset.CACHE_KEY, quantize_base_model.CACHE_KEY
 train_key, eval_key, checkpoint_key = train_adapter.CACHE_KEY, evaluate_adapter.CACHE_KEY, evaluate_checkpoint.CACHE_KEY
+merge_key = merge_adapter.CACHE_KEY
 
 REPO = Path(__file__).resolve().parent.parent
 PLAN = Plan(device="cpu", nproc=1, precision="fp32", compute_dtype="float32", train_attn="sdpa",
@@ -291,6 +294,18 @@ def test_evaluate_checkpoint_row(tmp_path, monkeypatch):
     keys.assert_not_in_key(["train.learning_rate=1e-3", "lora.r=4", "export.dtype=float32",
                             "eval.attn_implementation=sdpa", *NOT_IN_ANY])
     keys.assert_library_and_code_in_key(monkeypatch, "evaluate-checkpoint", tmp_path, cfg)
+
+
+def test_merge_adapter_key_holds_every_export_setting_but_whether_the_fine_tune_flow_merges(tmp_path):
+    """export.merge was in the key: flows/export.py on a run trained with export.merge=false merged the same
+    checkpoint again under another key than the fine-tune flow's own merge, and the other way round."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"a1")
+    keys = Keys(lambda cfg: merge_key(cfg, dataset(), base_model(), adapter, PLAN), [])
+    keys.assert_in_key(section_overrides("export", ExportConfig, load_config(None), skip=frozenset({"merge"})))
+    keys.assert_not_in_key(["export.merge=false", "train.learning_rate=1e-3", "eval.max_samples=3", *NOT_IN_ANY])
+    assert merge_key(load_config(None), dataset("d2"), base_model(), adapter, PLAN) != keys.reference
 
 
 TASK_MODULES = sorted(p.stem for p in (REPO / "tasks").glob("*.py") if p.stem != "__init__")

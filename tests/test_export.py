@@ -254,3 +254,31 @@ def test_the_cards_configuration_names_the_cache_the_run_used(tmp_path, monkeypa
     card = render_card("run", merged, cfg, base, data, env, [], tmp_path / "adapter", tmp_path / "config.resolved.yaml")
     configuration = yaml.safe_load(card.split("## Configuration\n\n```yaml\n")[1].split("```")[0])
     assert configuration["run"]["cache_dir"] == str(tmp_path / "used")
+
+
+def test_the_export_command_refuses_to_be_told_not_to_merge_before_anything_loads(tmp_path, capsys):
+    """`flows/export.py --adapter A --set export.merge=false` merged all the same, without a word. A run's own
+    config with `export.merge: false` (merge later, with this command) is no reason to refuse."""
+    from safetensors.numpy import save_file
+
+    from flows.export import main
+
+    runs = tmp_path / "runs"
+    adapter = runs / "tiny-20261130-013000-abc123" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "tokenizer_config.json").write_text("{}")
+    save_file({"w": __import__("numpy").zeros(1, dtype="float32")}, str(adapter / "adapter_model.safetensors"))
+    trained = load_config(None, ["model.source=generated:tiny-llama", "export.merge=false",
+                                 f"run.output_dir={runs}", f"run.cache_dir={tmp_path / 'cache'}"])
+    (adapter.parent / "config.resolved.yaml").write_text(trained.to_yaml())
+    for no in ("false", "no", "0"):
+        assert main(["--adapter", str(adapter), "--set", f"export.merge={no}"]) == 2
+        assert capsys.readouterr().err == ("error: --set export.merge=false: flows/export.py always merges "
+                                           "(export.merge turns off only the fine-tune flow's merge at its end); "
+                                           "leave it out\n")
+    assert sorted(p.name for p in runs.iterdir()) == [adapter.parent.name] and not (tmp_path / "cache").exists()
+    from flows.export import check_merge_not_turned_off
+
+    check_merge_not_turned_off(trained, [])  # the run's own `export.merge: false`
+    check_merge_not_turned_off(trained, ["export.dtype=float16"])

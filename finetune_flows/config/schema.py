@@ -427,7 +427,7 @@ class ExportConfig(Section):
         "dequantized 4-bit weights), save it as a standalone checkpoint with a model card in `<run>/merged/`, "
         "and check its logits against base + adapter. Skipped, with a log line, when the device lacks the "
         "memory (within hardware.memory_budget_gib where set); `python flows/export.py --adapter ...` does it "
-        "later.",
+        "later, whatever this key says.",
     )
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="Weight dtype of the merged checkpoint."
@@ -444,6 +444,12 @@ class ExportConfig(Section):
         "token the same at >= 99.3% of positions), the rounding of the merged weights to bf16; for wrong ones, "
         "on the demo model: 2.4 for the adapter merged into the original (not the 4-bit) weights, 4.6 without it.",
     )
+
+    def fingerprint(self) -> str:
+        """The merged checkpoint's settings (its cache key's): `merge` held at its default, as it decides whether
+        the fine-tune flow merges, not what the merge makes; so flows/export.py on a run with export.merge=false
+        finds (and makes) the checkpoint a merging run would."""
+        return Section.fingerprint(self.model_copy(update={"merge": True}))
 
 
 class RunConfig(Section):
