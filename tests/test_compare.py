@@ -78,6 +78,19 @@ def test_command_prints_the_table_and_refuses_what_is_not_a_run(tmp_path, capsys
     assert f"{tmp_path}: not a completed fine-tune run (no summary.json)" in capsys.readouterr().err
 
 
+def test_a_directory_in_or_above_a_run_is_refused_naming_what_was_meant(tmp_path, capsys):
+    """`compare runs/<run>/adapter` and `compare runs` said only "not a completed fine-tune run"."""
+    run = make_run(tmp_path, "nightly", "20261129-013000", summary(0.2, 0.8))
+    (run / "adapter").mkdir()
+    assert main([str(run / "adapter")]) == 2
+    assert capsys.readouterr().err == (f"error: {run / 'adapter'}: not a completed fine-tune run (no summary.json); "
+                                       f"its run is {run}\n")
+    assert main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path}: not a completed fine-tune run (no summary.json); it holds "
+                                       f"runs: `--output-dir {tmp_path}` compares the latest of them with its "
+                                       "previous run\n")
+
+
 def test_the_same_run_given_twice_is_refused_naming_it(tmp_path, capsys):
     """`compare A A` (or A and ./A/) printed a table of zero changes, "No regression.", with no word."""
     run = make_run(tmp_path, "nightly", "20261129-013000", summary(0.2, 0.8))

@@ -162,6 +162,19 @@ def publish_comparison(run_dir: Path, summary: dict) -> Path | None:
     return previous
 
 
+def not_a_run(path: Path) -> str:
+    """Why `path` is not a completed fine-tune run, naming the directory meant where that is plain: the run of an
+    adapter (or merged/, plots/) given, or `--output-dir` for a directory of runs."""
+    if not path.exists():
+        return "no such directory"
+    why = "not a completed fine-tune run (no summary.json)"
+    if (path.parent / "summary.json").is_file():
+        return f"{why}; its run is {path.parent}"
+    if path.is_dir() and any((p / "summary.json").is_file() for p in path.iterdir() if p.is_dir()):
+        return f"{why}; it holds runs: `--output-dir {path}` compares the latest of them with its previous run"
+    return why
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", type=Path, help="RUN (against its previous run) or PREVIOUS RUN")
@@ -172,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give at most two run directories")
     for path in args.runs:
         if not (path / "summary.json").is_file():
-            why = "no such directory" if not path.exists() else "not a completed fine-tune run (no summary.json)"
-            print(f"error: {path}: {why}", file=sys.stderr)
+            print(f"error: {path}: {not_a_run(path)}", file=sys.stderr)
             return 2
     if len(args.runs) == 2:
         previous, current = args.runs
