@@ -91,6 +91,17 @@ def test_a_directory_in_or_above_a_run_is_refused_naming_what_was_meant(tmp_path
                                        "previous run\n")
 
 
+def test_two_runs_given_newer_first_are_compared_with_a_note_that_says_so(tmp_path, capsys):
+    """`compare NEW OLD` titled OLD "this run" and NEW "previous" and marked NEW's gains WORSE, without a word."""
+    old = make_run(tmp_path, "nightly", "20261129-013000", summary(0.2, 0.8))
+    new = make_run(tmp_path, "nightly", "20261130-013000", summary(0.1, 0.9))
+    assert main([str(new), str(old)]) == 0
+    out, err = capsys.readouterr()
+    assert err == (f"note: {new}, given first as the previous run, is newer than {old}: each change reads from the "
+                   "first to the second (swap them to see the newer run's change)\n") and "**Regressions:**" in out
+    assert main([str(old), str(new)]) == 0 and capsys.readouterr().err == ""
+
+
 def test_the_same_run_given_twice_is_refused_naming_it(tmp_path, capsys):
     """`compare A A` (or A and ./A/) printed a table of zero changes, "No regression.", with no word."""
     run = make_run(tmp_path, "nightly", "20261129-013000", summary(0.2, 0.8))

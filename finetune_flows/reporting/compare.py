@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {previous} and {current} are the same run ({current.resolve()}): give two different runs, "
                   "or one to compare it with its previous run", file=sys.stderr)
             return 2
+        stamps = [STAMP.search(p.resolve().name) for p in (previous, current)]
+        if all(stamps) and stamps[0].group(1) > stamps[1].group(1):  # the table reads "previous" -> "this run"
+            print(f"note: {previous}, given first as the previous run, is newer than {current}: each change reads "
+                  "from the first to the second (swap them to see the newer run's change)", file=sys.stderr)
     elif args.runs:
         current, previous = args.runs[0], previous_run(args.runs[0])
     else:
