@@ -125,6 +125,12 @@ def test_the_settings_in_which_the_two_runs_differ_are_named_beside_the_verdicts
             "['q_proj']; `train.max_steps` 40 -> 20\n") in text
     (tonight / "config.resolved.yaml").write_text((previous / "config.resolved.yaml").read_text())
     assert "Settings that differ" not in render_comparison(tonight, previous)
+    # where the files went changes no number: two runs of one config in other directories (served from the
+    # same cache) were said to differ in run.output_dir and run.cache_dir, "a change below may come from them"
+    (tonight / "config.resolved.yaml").write_text((previous / "config.resolved.yaml").read_text()
+                                                  .replace("name: nightly", "name: nightly\n  output_dir: /elsewhere"
+                                                           "\n  cache_dir: /cache"))
+    assert "Settings that differ" not in render_comparison(tonight, previous)
 
 
 def test_the_command_read_through_a_closed_pipe_ends_quietly(tmp_path):

@@ -115,14 +115,18 @@ def _fmt(value: float | None) -> str:
     return f"{value:.0f}" if value == int(value) and abs(value) >= 10 else f"{value:.4g}"
 
 
+WHERE_FILES_GO = {"run.output_dir", "run.cache_dir"}  # no number changes with them: not listed as differences
+
+
 def settings_that_differ(previous_dir: Path, current_dir: Path) -> list[tuple[str, Any, Any]]:
-    """The resolved settings (config.resolved.yaml) in which the two runs differ: (key, previous, this run)."""
+    """The resolved settings (config.resolved.yaml) in which the two runs differ: (key, previous, this run); where
+    their files went left out."""
     try:
         before, after = (dotted(yaml.safe_load((d / "config.resolved.yaml").read_text()) or {})
                          for d in (previous_dir, current_dir))
     except (OSError, yaml.YAMLError):
         return []
-    return [(k, before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys())
+    return [(k, before.get(k), after.get(k)) for k in sorted((before.keys() | after.keys()) - WHERE_FILES_GO)
             if before.get(k) != after.get(k)]
 
 
