@@ -282,3 +282,24 @@ def test_the_export_command_refuses_to_be_told_not_to_merge_before_anything_load
 
     check_merge_not_turned_off(trained, [])  # the run's own `export.merge: false`
     check_merge_not_turned_off(trained, ["export.dtype=float16"])
+
+
+def test_an_export_cards_commands_make_this_checkpoint_again(tmp_path):
+    """The card of `flows/export.py --adapter A --set export.dtype=float16` (on a run trained with export.merge=false)
+    said to reproduce it with `flows/export.py --adapter A` (a bfloat16 checkpoint) and that the fine-tune command
+    would "train, evaluate and merge again" (it does not merge)."""
+    from finetune_flows.export.model_card import render_card
+
+    merged, base, data, env = card_inputs(tmp_path)
+    adapter, config_file = tmp_path / "run" / "adapter", tmp_path / "run" / "config.resolved.yaml"
+    trained = load_config(None, ["export.merge=false", "tracking.report_to=[tensorboard]"])
+    export = load_config(None, ["export.merge=false", "export.dtype=float16", "data.source=/data/a b.jsonl",
+                                "data.format=instruction", "eval.metric=contains", "run.name=elsewhere"])
+    card = render_card("run", merged, export, base, data, env, [], adapter, config_file, trained)
+    assert (f"python flows/finetune.py --config {config_file}   # train, evaluate again (it does not merge: "
+            "export.merge is off)\n") in card
+    assert (f"python flows/export.py --adapter {adapter} --set 'data.source=/data/a b.jsonl' --set "
+            "data.format=instruction --set eval.metric=contains --set export.dtype=float16   # merge this adapter "
+            "again\n") in card
+    card = render_card("run", merged, trained, base, data, env, [], adapter, config_file)  # the run's own config
+    assert f"python flows/export.py --adapter {adapter}   # merge this adapter again\n" in card

@@ -9,11 +9,12 @@ to a model hub) as it is.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import yaml
 
-from finetune_flows.config.schema import FinetuneConfig, load_config
+from finetune_flows.config.schema import FinetuneConfig, dotted, load_config
 from finetune_flows.files import write_atomic
 from finetune_flows.data.dataset import PreparedDataset
 from finetune_flows.runtime.environment import EnvironmentReport
@@ -30,12 +31,27 @@ def _table(rows: list[dict]) -> list[str]:
     return lines + ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows]
 
 
+NOT_IN_THE_CHECKPOINT = ("run.", "tracking.", "export.merge")  # where files and logs went; whether to merge
+
+
+def export_command(adapter: Path, cfg: FinetuneConfig, trained: FinetuneConfig | None) -> str:
+    """`flows/export.py` as it made this checkpoint: the adapter (whose run's config it reads), with a `--set` for
+    each setting of the export's own config that differs from that one."""
+    ours, theirs = dotted(cfg.model_dump(mode="json")), dotted(trained.model_dump(mode="json")) if trained else {}
+    sets = [f"{key}={value if isinstance(value, str) and yaml.safe_load(value) == value else json.dumps(value)}"
+            for key, value in ours.items() if trained and value != theirs.get(key)
+            and not key.startswith(NOT_IN_THE_CHECKPOINT)]  # --set reads YAML: a string that would not stay one quoted
+    return " ".join(["python flows/export.py --adapter", shlex.quote(str(adapter)),
+                     *(f"--set {shlex.quote(s)}" for s in sets)])
+
+
 def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: QuantizedModel, data: PreparedDataset,
                 env: EnvironmentReport, eval_rows: list[dict], adapter: Path, config_file: Path,
                 trained: FinetuneConfig | None = None) -> str:
     """`trained`: the config of the run that trained the adapter, where this card is an export's with another
     config (`flows/export.py --config`): the card's data and configuration are the training's, and the export's
     own settings are listed apart."""
+    reproduce_export = export_command(adapter, cfg, trained)
     trained = trained or cfg
     q = cfg.quantization
     quantized = (f"{q.quant_type} 4-bit{' with double quantization' if q.double_quant else ''}, compute dtype "
@@ -74,8 +90,9 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
         f"{cfg.export.max_logit_error}), same top-1 token at {merged.top1_agreement:.2%} of positions.", "",
         f"{merged.parameters / 1e6:.1f}M parameters, {merged.size_mb:.1f} MiB.", "",
         "## Reproduce", "",
-        "```bash", f"python flows/finetune.py --config {config_file}   # train, evaluate and merge again",
-        f"python flows/export.py --adapter {adapter}   # merge this adapter again",
+        "```bash", f"python flows/finetune.py --config {config_file}   # train, evaluate"
+        + (" and merge again" if trained.export.merge else " again (it does not merge: export.merge is off)"),
+        f"{reproduce_export}   # merge this adapter again",
         f"python flows/evaluate.py --merged {merged.path}   # evaluate this checkpoint (beside base and the adapter)",
         "```", "",
         "## Versions", "", "| package | version |", "|---|---|", f"| python | {env.python} |",
