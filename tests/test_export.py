@@ -303,3 +303,19 @@ def test_an_export_cards_commands_make_this_checkpoint_again(tmp_path):
             "again\n") in card
     card = render_card("run", merged, trained, base, data, env, [], adapter, config_file)  # the run's own config
     assert f"python flows/export.py --adapter {adapter}   # merge this adapter again\n" in card
+
+
+def test_an_export_that_only_dropped_the_trainings_tracking_is_not_carded_as_another_config(tmp_path):
+    """flows/export.py logs to no tracker (without_tracking): the card of a plain export of a run that logged to
+    MLflow said "The export itself ran with another config" and listed sections equal to the training's."""
+    from finetune_flows.config.preflight import without_tracking
+    from finetune_flows.export.model_card import render_card, training_config_of
+
+    merged, base, data, env = card_inputs(tmp_path)
+    config_file = tmp_path / "run" / "config.resolved.yaml"
+    config_file.parent.mkdir()
+    config_file.write_text(load_config(None, ["tracking.mlflow_uri=http://127.0.0.1:5000"]).to_yaml())
+    cfg = without_tracking(load_config(config_file))
+    card = render_card("run", merged, cfg, base, data, env, [], tmp_path / "run" / "adapter", config_file,
+                       training_config_of(config_file, cfg))
+    assert "another config" not in card and "mlflow_uri: http://127.0.0.1:5000" in card  # the training's, in full

@@ -34,15 +34,20 @@ def _table(rows: list[dict]) -> list[str]:
 NOT_IN_THE_CHECKPOINT = ("run.", "tracking.", "export.merge")  # where files and logs went; whether to merge
 
 
-def export_command(adapter: Path, cfg: FinetuneConfig, trained: FinetuneConfig | None) -> str:
-    """`flows/export.py` as it made this checkpoint: the adapter (whose run's config it reads), with a `--set` for
-    each setting of the export's own config that differs from that one."""
-    ours, theirs = dotted(cfg.model_dump(mode="json")), dotted(trained.model_dump(mode="json")) if trained else {}
-    sets = [f"{key}={value if isinstance(value, str) and yaml.safe_load(value) == value else json.dumps(value)}"
-            for key, value in ours.items() if trained and value != theirs.get(key)
-            and not key.startswith(NOT_IN_THE_CHECKPOINT)]  # --set reads YAML: a string that would not stay one quoted
+def export_overrides(cfg: FinetuneConfig, trained: FinetuneConfig | None) -> list[str]:
+    """`KEY=VALUE` for each setting of an export's own config that differs from the config the adapter was trained
+    with, as `--set` takes it (a string YAML would not read back as that string, quoted); none without `trained`."""
+    if trained is None:
+        return []
+    ours, theirs = dotted(cfg.model_dump(mode="json")), dotted(trained.model_dump(mode="json"))
+    return [f"{key}={value if isinstance(value, str) and yaml.safe_load(value) == value else json.dumps(value)}"
+            for key, value in ours.items() if value != theirs.get(key) and not key.startswith(NOT_IN_THE_CHECKPOINT)]
+
+
+def export_command(adapter: Path, overrides: list[str]) -> str:
+    """`flows/export.py` as it made this checkpoint: the adapter (whose run's config it reads), and the overrides."""
     return " ".join(["python flows/export.py --adapter", shlex.quote(str(adapter)),
-                     *(f"--set {shlex.quote(s)}" for s in sets)])
+                     *(f"--set {shlex.quote(s)}" for s in overrides)])
 
 
 def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: QuantizedModel, data: PreparedDataset,
@@ -51,7 +56,7 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
     """`trained`: the config of the run that trained the adapter, where this card is an export's with another
     config (`flows/export.py --config`): the card's data and configuration are the training's, and the export's
     own settings are listed apart."""
-    reproduce_export = export_command(adapter, cfg, trained)
+    overrides = export_overrides(cfg, trained)  # none where the export only dropped the training's tracking
     trained = trained or cfg
     q = cfg.quantization
     quantized = (f"{q.quant_type} 4-bit{' with double quantization' if q.double_quant else ''}, compute dtype "
@@ -92,7 +97,7 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
         "## Reproduce", "",
         "```bash", f"python flows/finetune.py --config {config_file}   # train, evaluate"
         + (" and merge again" if trained.export.merge else " again (it does not merge: export.merge is off)"),
-        f"{reproduce_export}   # merge this adapter again",
+        f"{export_command(adapter, overrides)}   # merge this adapter again",
         f"python flows/evaluate.py --merged {merged.path}   # evaluate this checkpoint (beside base and the adapter)",
         "```", "",
         "## Versions", "", "| package | version |", "|---|---|", f"| python | {env.python} |",
@@ -100,7 +105,7 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
         "## Configuration", "", "```yaml", (trained if trained is not cfg else cfg.as_recorded()).to_yaml().rstrip(),
         "```", "",
     ]
-    if trained is not cfg:
+    if overrides:
         lines += ["The export itself ran with another config; its `export` and `quantization` sections:", "",
                   "```yaml", yaml.safe_dump({k: cfg.model_dump(mode="json")[k] for k in ("export", "quantization")},
                                             sort_keys=False).rstrip(), "```", ""]
