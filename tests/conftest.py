@@ -114,6 +114,26 @@ def custom_code_checkpoint(out: Path) -> Path:
     return out
 
 
+def tiny_checkpoint(out: Path, shared_cache: Path, family: str, **config) -> Path:
+    """A tiny random GPT-2 or GPT-NeoX checkpoint (transformers' own classes) with generated:tiny-llama's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from finetune_flows.models.sources import materialize_model
+
+    tokenizer = AutoTokenizer.from_pretrained(materialize_model("generated:tiny-llama", shared_cache))
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **ids, **config))
+    else:
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                 num_attention_heads=4, max_position_embeddings=512, **ids, **config))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def tiny_gguf(path: Path, add_bos: bool | None = True, add_eos: bool | None = None) -> Path:
     """A tiny llama GGUF (random weights, a sentencepiece-style vocabulary of letters) written with the `gguf`
     package, with `tokenizer.ggml.add_bos_token` / `add_eos_token` set as given (None: left out)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import child_env
+from conftest import child_env, tiny_checkpoint
 from finetune_flows.config.schema import load_config
 from finetune_flows.errors import ConfigError, DataError, UserInputError
 from finetune_flows.config.preflight import check_lora_targets, check_utf8, preflight
@@ -347,7 +347,20 @@ def test_decoder_only_models_pass_the_causal_lm_check(tmp_path, model_type):
     from finetune_flows.config.preflight import check_lora_targets_of_source
 
     AutoConfig.for_model(model_type, **SMALL, pad_token_id=0).save_pretrained(tmp_path)
-    check_lora_targets_of_source(load_config(None, [f"model.source={tmp_path}"]))
+    # padded batches: GPT-2's attn_pdrop=0.1 is refused with packing (test_a_gpt2_checkpoint_is_one_message_...)
+    check_lora_targets_of_source(load_config(None, [f"model.source={tmp_path}", "train.packing=false"]))
+
+
+def test_a_gpt2_checkpoint_is_one_message_before_any_server(tmp_path, shared_cache):
+    """A GPT-2 checkpoint (n_head, not num_attention_heads, in its config.json) passed the checks, then the flow
+    failed with KeyError: 'num_attention_heads' after a server started; read through its config class, its
+    attn_pdrop=0.1, which packed training cannot apply, is the one message (tests/test_model_families.py)."""
+    model = tiny_checkpoint(tmp_path / "gpt2", shared_cache, "gpt2")
+    done = cli(tmp_path, "--set", f"model.source={model}")
+    assert_one_message_before_any_server(done, tmp_path, f"model.source={model}: its config sets attn_pdrop=0.1 "
+                                         "(attention dropout), which packed training cannot apply; set "
+                                         "train.packing=false")
+    assert done.stderr.count("\n") == 1, done.stderr
 
 
 def test_cli_names_the_yaml_file_and_line(tmp_path):

@@ -28,6 +28,7 @@ from finetune_flows.data.rows import row_names
 from finetune_flows.errors import (ConfigError, DataError, EnvironmentMismatch, ModelSourceError,
                                    UserInputError, first_line)
 from finetune_flows.runtime.gpus import GpuInfo, choose_gpu_ids, read_inventory
+from finetune_flows.models.shapes import config_shape
 from finetune_flows.models.sources import (check_causal_lm, check_model_source, check_weight_files, hub_snapshot,
                                            model_config, tokenizer_without_download)
 from finetune_flows.packages import installed_version
@@ -308,7 +309,8 @@ def check_lora_targets(model_dir: Path, targets: list[str] | str, trust_remote_c
 
 def check_lora_targets_of_source(cfg: FinetuneConfig) -> None:
     """The model source built on the meta device from its config, before anything is loaded or generated, and
-    check_lora_targets on it. A checkpoint's config.json (a local directory's, a Hub id's in the local Hub cache) is
+    check_lora_targets on it; its shape read as the planners read it, and an attention dropout packed training
+    cannot apply refused. A checkpoint's config.json (a local directory's, a Hub id's in the local Hub cache) is
     built even with all-linear: one transformers cannot build as a causal LM (an unknown model_type), or that is no
     decoder-only causal LM (BERT, BART: check_causal_lm), is one message here, not a traceback from a worker after a
     server started; its safetensors headers are checked against that model (check_weight_shapes; a Hub snapshot's
@@ -326,6 +328,8 @@ def check_lora_targets_of_source(cfg: FinetuneConfig) -> None:
     if config is None:
         return
     check_causal_lm(source, config)  # before the meta build: transformers builds BERT as a causal LM
+    readable_config_shape(source, config)  # attention heads and layers the planners can read
+    check_attention_dropout(cfg, config)
     packed = hasattr(config, "quantization_config")  # a quantized checkpoint: its tensors have packed shapes
     try:
         model = _meta_model(config, remote)
@@ -348,6 +352,32 @@ def check_lora_targets_of_source(cfg: FinetuneConfig) -> None:
 def _unbuildable(source: str, exc: Exception) -> ModelSourceError:
     return ModelSourceError(f"model.source={source}: transformers cannot build a causal language model from its "
                             f"config ({type(exc).__name__}: {first_line(exc)})")
+
+
+def readable_config_shape(source: str, config) -> dict:
+    """config_shape of the source's config, or one message naming the source where it has no transformer shape."""
+    try:
+        return config_shape(config)
+    except ModelSourceError as exc:
+        raise ModelSourceError(f"model.source={source}: {exc}") from None
+
+
+# Where configs name their attention dropout (GPT-2 and GPT-J: attn_pdrop, BERT-style: attention_probs_dropout_prob)
+ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def check_attention_dropout(cfg: FinetuneConfig, config) -> None:
+    """Packed training's variable-length attention kernels have no dropout, so a model whose config sets one (GPT-2:
+    attn_pdrop=0.1) failed at its first training step, after a server started and the model was quantized."""
+    if not cfg.train.packing:
+        return
+    text = config.get_text_config()
+    for key in ATTENTION_DROPOUT_KEYS:
+        rate = getattr(text, key, None)
+        if isinstance(rate, (int, float)) and rate > 0:
+            raise ModelSourceError(f"model.source={cfg.model.source}: its config sets {key}={rate:g} (attention "
+                                   "dropout), which packed training cannot apply; set train.packing=false (padded "
+                                   f"batches apply it), or {key} to 0 in its config.json")
 
 
 def check_weight_shapes(source: str, path: Path, model) -> None:
@@ -377,7 +407,10 @@ def lora_target_problems(model, targets: list[str]) -> None:
     names = [n for n, _ in model.named_modules() if n]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        from transformers.pytorch_utils import Conv1D
+
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, (torch.nn.Linear, Conv1D))})  # GPT-2's linear layers are Conv1D
         raise ConfigError([f"lora.target_modules: the model has no module named {', '.join(missing)}; its linear "
                            f"layers are {', '.join(linear)} (or use all-linear)"], "config vs model")
 

@@ -146,7 +146,8 @@ class TrainConfig(Section):
                                              "per_device_batch_size).")
     packing: bool = Field(
         True, description="Pack rows into token-budget micro-batches (no padding) with per-row positions and "
-        "variable-length attention, so no token attends across rows; false: padded batches (the plain recipe).")
+        "variable-length attention, so no token attends across rows; false: padded batches (the plain recipe), which "
+        "a model whose config sets an attention dropout (GPT-2: attn_pdrop) needs.")
     micro_batch_tokens: int | None = Field(
         None, ge=16, description="Tokens per packed micro-batch; default: the memory planner's choice.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")

@@ -141,10 +141,10 @@ def generate_reference(model, tokenizer, prompts: list[str], max_new_tokens: int
 
 
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
-    text = config.get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * heads * head_dim * dtype_bytes
+    from finetune_flows.models.shapes import config_shape
+
+    shape = config_shape(config)
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * dtype_bytes
 
 
 def generate_continuous(model, prompt_ids: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,

@@ -30,6 +30,7 @@ from finetune_flows.runtime.gpus import cap_process_memory, free_bytes
 from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.evaluation.metrics import score_answer
 from finetune_flows.models.quantize import QuantizedModel, torch_dtype
+from finetune_flows.models.shapes import config_shape
 from finetune_flows.data.packing import PadCollator
 
 
@@ -139,10 +140,10 @@ def auto_batch_tokens(model, device) -> int:
     500), or on the CPU at most 16,384 (there a batch whose cache stays in the processor caches is faster)."""
     import torch
 
-    text = model.config.get_text_config()
+    shape = config_shape(model.config)
     dtype_bytes = torch.finfo(model.dtype).bits // 8
     per_token = kv_bytes_per_token(model.config, dtype_bytes) + \
-        (6 * text.hidden_size + 3 * getattr(text, "intermediate_size", 4 * text.hidden_size)) * dtype_bytes
+        (6 * shape["hidden_size"] + 3 * shape["intermediate_size"]) * dtype_bytes
     if device.type == "cuda":
         budget = 0.5 * free_bytes(device.index or 0)
     else:

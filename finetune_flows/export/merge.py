@@ -93,7 +93,7 @@ def check_bytes(parameters: int, compute_bytes: int) -> float:
 def budget_skips_merge(cfg: FinetuneConfig, plan: Plan) -> str | None:
     """Why the check will not fit within `hardware.memory_budget_gib` (so the finetune flow will skip the merge), from
     the model's shape before anything loads; None where it fits, or where the shape cannot be read yet."""
-    budget, shape = cfg.hardware.memory_budget_gib, readable_model_shape(cfg.model.source)
+    budget, shape = cfg.hardware.memory_budget_gib, readable_model_shape(cfg.model.source, cfg.model.trust_remote_code)
     if budget is None or plan.device != "cuda" or not cfg.export.merge or shape is None:
         return None
     need = check_bytes(shape.linear_params + shape.embedding_params, 4 if plan.compute_dtype == "float32" else 2)

@@ -32,7 +32,7 @@ from finetune_flows.runtime.gpus import GpuInfo, GpuSelection
 from finetune_flows.runtime.launcher import compile_caches, python_module, run_worker, write_job
 from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.models.kernels import local_kernel_repo
-from finetune_flows.models.sources import ARCHS
+from finetune_flows.models.shapes import readable_shape
 from finetune_flows.models.attention import packed_kernel_for, use_packed_attention
 
 # Backend -> (distribution to install, test on one GPU's capability, what that test demands).
@@ -184,16 +184,11 @@ def resolve_attention(want: str, attention: dict[str, str], gpus: list[GpuInfo],
 
 def attention_shape(cfg: FinetuneConfig) -> dict:
     """Heads, KV heads and head dim of the run's model where its config can be read without loading it."""
-    source, shape = cfg.model.source, None
-    if source.startswith("generated:") and source.split(":", 1)[1] in ARCHS:
-        shape = ARCHS[source.split(":", 1)[1]]
-    elif (Path(source).expanduser() / "config.json").is_file():
-        shape = json.loads((Path(source).expanduser() / "config.json").read_text())
-    if not shape:  # a built-in or Hub model not materialized yet: a common small-model shape
-        shape = ARCHS["qwen3-0.6b"]
-    heads = shape["num_attention_heads"]
-    return {"heads": heads, "kv_heads": shape.get("num_key_value_heads") or heads,
-            "head_dim": shape.get("head_dim") or shape["hidden_size"] // heads}
+    shape = readable_shape(cfg.model.source, cfg.model.trust_remote_code)
+    if shape is None:  # a built-in or Hub model not materialized yet: a common small-model shape
+        shape = readable_shape("generated:qwen3-0.6b")
+    return {"heads": shape["num_attention_heads"], "kv_heads": shape["num_key_value_heads"],
+            "head_dim": shape["head_dim"]}
 
 
 def probe_key(gpu_name: str, capability: tuple[int, int], versions: dict, shape: dict, dtype: str) -> str:

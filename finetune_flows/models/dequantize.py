@@ -49,13 +49,15 @@ def dequantize_linear4bit(module, dtype=None):
 
 
 def dequantize_model(model, offload_to_cpu: bool = False) -> int:
-    """Replace every Linear4bit of `model` by an nn.Linear holding its dequantized weight (compute dtype).
+    """Replace every Linear4bit of `model` by an nn.Linear holding its dequantized weight (compute dtype); one
+    quantized from a Conv1D (GPT-2) by a Conv1D again.
 
     With offload_to_cpu the new layers land on the CPU as they are made, so a GPU only ever holds the 4-bit
     model plus one dequantized matrix. Returns the number of layers replaced.
     """
     import bitsandbytes as bnb
     import torch
+    from transformers.pytorch_utils import Conv1D
 
     replaced = 0
     for name, module in list(model.named_modules()):
@@ -63,8 +65,14 @@ def dequantize_model(model, offload_to_cpu: bool = False) -> int:
             continue
         weight = dequantize_linear4bit(module)
         target = "cpu" if offload_to_cpu else weight.device
-        linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                                 device="meta")
+        if issubclass(getattr(module, "source_cls", torch.nn.Linear), Conv1D):
+            # GPT-2's Conv1D (quantized transposed): back to a Conv1D, (in x out), so a saved copy loads as GPT-2
+            with torch.device("meta"):
+                linear = Conv1D(module.out_features, module.in_features)  # always with a bias, as GPT-2's
+            weight = weight.T.contiguous()
+        else:
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                     device="meta")
         linear.weight = torch.nn.Parameter(weight.to(target), requires_grad=False)
         if module.bias is not None:  # Linear4bit.forward casts the bias to the compute dtype too
             linear.bias = torch.nn.Parameter(module.bias.data.to(device=target, dtype=weight.dtype),

@@ -212,7 +212,7 @@ def budget_shortfall(cfg: FinetuneConfig, plan: Plan) -> str | None:
     cannot be read before it is fetched: the planner checks it then): the least a rank needs is its share of the
     base as loaded, the adapter with its gradients and optimizer state, and one `data.max_length` row with
     activation checkpointing, in the allocator's share of the budget (planner.allocator_bytes)."""
-    shape = readable_model_shape(cfg.model.source)
+    shape = readable_model_shape(cfg.model.source, cfg.model.trust_remote_code)
     if shape is None:
         return None
     budget, tokens, four_bit = cfg.hardware.memory_budget_gib, cfg.data.max_length, cfg.quantization.load_in_4bit

@@ -23,7 +23,6 @@ the end of the forward pass through the start of the backward pass.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +61,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
+        """From Llama-style keys: what models.shapes.config_shape returns, or an ARCHS entry."""
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
         return cls(hidden=hidden, intermediate=config["intermediate_size"], layers=config["num_hidden_layers"],
@@ -70,8 +70,13 @@ class ModelShape:
                    tied=bool(config.get("tie_word_embeddings", False)))
 
     @classmethod
-    def from_checkpoint(cls, path: Path) -> ModelShape:
-        return cls.from_config(json.loads((Path(path) / "config.json").read_text()))
+    def from_checkpoint(cls, path: Path, trust_remote_code: bool = False) -> ModelShape:
+        """From a checkpoint's config.json read through transformers' config class (GPT-2 names its keys n_head,
+        n_embd, n_layer)."""
+        from finetune_flows.models.shapes import config_shape
+        from finetune_flows.models.sources import model_config
+
+        return cls.from_config(config_shape(model_config(str(path), trust_remote_code=trust_remote_code)))
 
     @property
     def linear_shapes(self) -> dict[str, tuple[int, int]]:

@@ -25,12 +25,10 @@ How a 4-bit base becomes shardable:
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from finetune_flows.config.schema import FinetuneConfig
-from finetune_flows.models.sources import ARCHS
+from finetune_flows.models.shapes import readable_shape
 from finetune_flows.training.planner import GIB, ModelShape, peak_bytes, planning_bytes
 from finetune_flows.errors import UserInputError
 
@@ -42,18 +40,11 @@ def quant_storage(strategy: str, compute_dtype: str) -> str:
     return compute_dtype if strategy == "fsdp" else "uint8"
 
 
-def readable_model_config(source: str) -> dict | None:
-    """The model's config.json where it can be read before anything is downloaded or converted."""
-    if source.startswith("generated:"):
-        return ARCHS.get(source.split(":", 1)[1])
-    path = Path(source).expanduser() / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def readable_model_shape(source: str) -> ModelShape | None:
-    """The model's shape from readable_model_config (None where that cannot be read yet)."""
-    config = readable_model_config(source)
-    return None if config is None else ModelShape.from_config({"vocab_size": 32000, **config})
+def readable_model_shape(source: str, trust_remote_code: bool = False) -> ModelShape | None:
+    """The model's shape where its config can be read before anything is downloaded or converted (None where it
+    cannot yet)."""
+    shape = readable_shape(source, trust_remote_code)
+    return None if shape is None else ModelShape.from_config(shape)
 
 
 def resolve_strategy(cfg: FinetuneConfig, *, on_gpu: bool, ranks: int, free_mib: int | None,
@@ -69,7 +60,7 @@ def resolve_strategy(cfg: FinetuneConfig, *, on_gpu: bool, ranks: int, free_mib:
         return "ddp", "auto: ddp on the CPU (no device memory to save)"
     if cfg.train.upcast_frozen is True:
         return "ddp", "auto: ddp, since train.upcast_frozen=true keeps frozen weights in fp32 (fsdp cannot)"
-    shape = readable_model_shape(cfg.model.source)
+    shape = readable_model_shape(cfg.model.source, cfg.model.trust_remote_code)
     if shape is None:
         return "ddp", ("auto: ddp, the model's shape cannot be read before it is fetched; set "
                        "hardware.strategy=fsdp to shard it")

@@ -115,7 +115,7 @@ def training_plan(cfg: FinetuneConfig, data: PreparedDataset, base: QuantizedMod
     share = planning_bytes(free, budget)[1]
     try:
         tplan = plan_training(
-            ModelShape.from_checkpoint(base.path), free_mib=free, max_row=max(lengths),
+            ModelShape.from_checkpoint(base.path, cfg.model.trust_remote_code), free_mib=free, max_row=max(lengths),
             mean_row=sum(lengths) / len(lengths), rows_per_step=t.per_device_batch_size * t.gradient_accumulation_steps,
             packing=t.packing, micro_batch_tokens=t.micro_batch_tokens, checkpointing=t.gradient_checkpointing,
             four_bit=base.load_in_4bit, lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
