@@ -1,12 +1,15 @@
-"""Never two jobs on one device: quantization, training and evaluation hold a Prefect global-concurrency slot
-per device.
+"""Never two jobs on one device: quantization, training and evaluation hold a slot per device.
 
 Slot names are `device-<host>-gpu<id>` for each selected GPU (nvidia-smi id), or `device-<host>-cpu` for CPU
-runs. `make deploy` and `make worker` create the limits of their host, one slot each
-(`python -m finetune_flows.orchestration.concurrency`). A run that finds a device busy waits, and says so in its
-log, naming who holds it, every `WAIT_REPORT_SECONDS` (doubling up to every 5 minutes); when a limit does not
-exist, the step runs unguarded and says so once per process (not at all on the temporary server of a plain CLI
-run, where nothing else runs). Slots guard devices, not outputs: one writer per output is the store's entry lock
+runs. A GPU's slot is first a lock on this host (below): every run takes it, a plain CLI run too, whatever Prefect
+server it talks to (a CLI run has a temporary one of its own, where no limit exists). Then, where the Prefect server
+has a global concurrency limit of that name, a lease on it: `make deploy` and `make worker` create the limits of
+their host, one slot each (`python -m finetune_flows.orchestration.concurrency`); the UI shows who holds a device,
+and runs that do not share this host's /tmp (containers) still take turns. The CPU has only the Prefect limit: CLI
+runs on the CPU do not wait for each other (a test suite runs many at once). A run that finds a device busy waits,
+and says so in its log, naming who holds it, every `WAIT_REPORT_SECONDS` (doubling up to every 5 minutes); when a
+limit does not exist, the step runs without a lease and says so once per process (not at all on the temporary
+server of a plain CLI run). Slots guard devices, not outputs: one writer per output is the store's entry lock
 (store/entries.py), always taken before the device slot. A holder that dies without releasing its slot (SIGKILL)
 leaves a lease that would hold the slot for up to `LEASE_SECONDS`; its slot file on this host (below) lets the
 next run release it as soon as the holder and its workers are gone.
@@ -188,13 +191,7 @@ class _Hold:
     """This process's hold on the slot files while it holds the lease (a shared flock on each, with the record)."""
 
     def __init__(self, limits: dict[str, Any], lease_id: UUID, logger):
-        from prefect.context import FlowRunContext
-
-        flow_run = getattr(FlowRunContext.get(), "flow_run", None)
-        record = json.dumps({"lease_id": str(lease_id), "host": socket.gethostname(), "pid": os.getpid(),
-                             "start": start_time(os.getpid()),
-                             "flow_run": str(flow_run.id) if flow_run else None,
-                             "flow_run_name": flow_run.name if flow_run else None, "since": time.time()}).encode()
+        record = _record(lease_id)
         self.fds, self.paths = [], []
         for name, lim in limits.items():
             path = _slot_file(name, lim.id)
@@ -250,50 +247,161 @@ def _try_acquire(client, names: list[str]):
     return UUID(response.json()["lease_id"])
 
 
+# ---------------------------------------------------------------- a GPU's lock on this host
+# Two files per GPU in SLOT_DIR, named by the slot and not by any server's limit: `<slot>.lock`, locked exclusively
+# by the holding process alone, with its record (who holds the GPU); and `<slot>.workers.lock`, locked shared by the
+# holder and its workers (DEVICE_LOCKS_ENV), which may outlive it by their stop grace. A worker started by a fork
+# server cannot inherit the holder's descriptor, and a shared lock cannot sit beside the holder's exclusive one, hence
+# the second file. A taker needs both files exclusively (no holder alive, none of its workers either), then keeps the
+# workers' file shared: no other taker converts it meanwhile, as each needs the first file too.
+
+
+def _host_lock_paths(name: str) -> tuple[Path, Path]:
+    return slot_dir() / f"{name}.lock", slot_dir() / f"{name}.workers.lock"
+
+
+def _record(lease_id: UUID | None = None) -> bytes:
+    """Who holds a slot, written into its files: this process, its flow run and, with a Prefect slot, its lease."""
+    from prefect.context import FlowRunContext
+
+    flow_run = getattr(FlowRunContext.get(), "flow_run", None)
+    return json.dumps({"lease_id": str(lease_id) if lease_id else None, "host": socket.gethostname(),
+                       "pid": os.getpid(), "start": start_time(os.getpid()),
+                       "flow_run": str(flow_run.id) if flow_run else None,
+                       "flow_run_name": flow_run.name if flow_run else None, "since": time.time()}).encode()
+
+
+class _HostLocks:
+    """This process's hold on its GPUs' host locks; `busy` says who holds those it could not take (all or none)."""
+
+    def __init__(self, names: list[str]):
+        self.names, self.fds, self.workers_paths = names, [], []
+        self.busy: dict[str, str] = {}
+
+    def try_take(self) -> bool:
+        fds, self.busy = [], {}
+        for name in self.names:
+            device_path, workers_path = _host_lock_paths(name)
+            device = _open_slot_file(device_path, create=True)
+            workers = _open_slot_file(workers_path, create=True)
+            if device is None or workers is None:  # an unwritable /tmp: the Prefect slot, if any, still guards it
+                for fd in (device, workers):
+                    if fd is not None:
+                        os.close(fd)
+                continue
+            fds += [device, workers]
+            for fd in (device, workers):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # its holder is alive, or the workers of a dead one are
+                    self.busy[name] = f"held by {_describe(_read_record(device))}"
+                    break
+        if self.busy:
+            for fd in fds:
+                os.close(fd)  # drops what we took: all or none, as the Prefect slots are taken
+            return False
+        record = _record()
+        for device, workers in zip(fds[::2], fds[1::2]):
+            os.ftruncate(device, 0)
+            os.pwrite(device, record, 0)
+            fcntl.flock(workers, fcntl.LOCK_SH)  # our workers take it shared too
+        self.fds = fds
+        self.workers_paths = [str(_host_lock_paths(n)[1]) for n in self.names]
+        return True
+
+    def close(self) -> None:
+        for device, workers in zip(self.fds[::2], self.fds[1::2]):
+            os.close(workers)  # first: the next taker checks it once it has the device file
+            os.ftruncate(device, 0)
+            os.close(device)
+        self.fds = []
+
+
+class _WaitReport:
+    """The "waiting for device slot(s)" lines: at once, then every WAIT_REPORT_SECONDS, doubling up to 5 minutes."""
+
+    def __init__(self, label: str, logger):
+        self.label, self.logger = label, logger
+        self.started = time.monotonic()
+        self.report_at, self.interval = self.started, WAIT_REPORT_SECONDS
+
+    def busy(self, held: dict[str, str]) -> None:
+        if not held or time.monotonic() < self.report_at:
+            return
+        waited = time.monotonic() - self.started
+        self.logger.info("waiting for device slot(s) %s%s: %s", self.label, f" ({waited:.0f} s so far)"
+                         if waited >= 1 else "", "; ".join(f"{n} {why}" for n, why in held.items()))
+        self.report_at = self.started + self.interval if self.report_at == self.started \
+            else self.report_at + self.interval
+        self.interval = min(2 * self.interval, MAX_WAIT_REPORT_SECONDS)
+
+    @property
+    def waited(self) -> bool:
+        return self.report_at != self.started
+
+
 @contextmanager
 def device_slots(gpu_ids: list[int]) -> Iterator[None]:
-    """Hold one slot of each device's limit for the duration of the block; log the wait (for whom) and the hold."""
+    """Hold each device's slot for the duration of the block: its host lock (GPUs), then its Prefect limit's slot
+    where the server has that limit; log the wait (for whom) and the hold."""
+    logger = run_logger()
+    names = slot_names(gpu_ids)
+    wait = _WaitReport(", ".join(names), logger)
+    host = _HostLocks(names if gpu_ids else [])
+    while not host.try_take():  # before the Prefect slot: on this host that lease is then free, or a dead holder's
+        wait.busy(host.busy)
+        time.sleep(POLL_SECONDS)
+    try:
+        with _prefect_slots(names, wait, logger) as (limits, slot_files):
+            token = HELD_DEVICE_LOCKS.set(tuple(host.workers_paths) + slot_files)
+            held_since = time.monotonic()
+            if limits or wait.waited:  # a CLI run that found the GPU free says nothing, as before
+                logger.info("acquired device slot(s) %s after waiting %.1f s", wait.label, held_since - wait.started)
+            try:
+                yield
+            finally:
+                if limits or wait.waited:
+                    logger.info("releasing device slot(s) %s after holding them %.1f s", wait.label,
+                                time.monotonic() - held_since)
+                HELD_DEVICE_LOCKS.reset(token)
+    finally:
+        host.close()
+
+
+@contextmanager
+def _prefect_slots(names: list[str], wait: _WaitReport, logger) -> Iterator[tuple[dict[str, Any], tuple[str, ...]]]:
+    """A lease on one slot of each device's Prefect limit where the server has those limits: (the limits, the slot
+    files this process and its workers lock); ({}, ()) where it has none."""
     from prefect.client.orchestration import get_client
 
-    logger = run_logger()
-    limits = _existing_limits(slot_names(gpu_ids))
-    missing = [n for n in slot_names(gpu_ids) if n not in limits and n not in _REPORTED_MISSING]
+    limits = _existing_limits(names)
+    missing = [n for n in names if n not in limits and n not in _REPORTED_MISSING]
     if missing and not _temporary_server():  # a temporary server serves this one process: nothing to queue behind
-        logger.info("no concurrency limit named %s on the Prefect server (`make deploy` creates them): device "
-                    "steps do not queue behind other runs on that device", ", ".join(missing))
+        logger.info("no concurrency limit named %s on the Prefect server (`make deploy` creates them): %s",
+                    ", ".join(missing), "CPU steps do not queue behind other runs" if missing[0].endswith("-cpu")
+                    else "GPU steps queue only behind runs that share this host's /tmp, and the UI does not show "
+                    "who holds a GPU")
     _REPORTED_MISSING.update(missing)  # said once per process, not on every device step
     if not limits:
-        yield
+        yield {}, ()
         return
     names = list(limits)
     label = ", ".join(names)
-    started = time.monotonic()
-    report_at, interval = started, WAIT_REPORT_SECONDS
     with get_client(sync_client=True) as client:
         while (lease_id := _try_acquire(client, names)) is None:
             now = {n: client.read_global_concurrency_limit_by_name(n) for n in names}
             held = {n: _holder_or_reap(client, n, lim.id, logger) for n, lim in now.items()
                     if lim.active_slots >= lim.limit}
             held = {n: why for n, why in held.items() if why}
-            if held and time.monotonic() >= report_at:
-                waited = time.monotonic() - started
-                logger.info("waiting for device slot(s) %s%s: %s", label, f" ({waited:.0f} s so far)" if waited >= 1
-                            else "", "; ".join(f"{n} {why}" for n, why in held.items()))
-                report_at = started + interval if report_at == started else report_at + interval
-                interval = min(2 * interval, MAX_WAIT_REPORT_SECONDS)
+            wait.busy(held)
             time.sleep(POLL_SECONDS if held else 0.1)  # none held: just freed, or taken and released meanwhile
     hold = _Hold(limits, lease_id, logger)
-    token = HELD_DEVICE_LOCKS.set(tuple(hold.paths))
     stop = threading.Event()
     threading.Thread(target=_renew, args=(lease_id, stop, logger, label), daemon=True).start()
-    held_since = time.monotonic()
-    logger.info("acquired device slot(s) %s after waiting %.1f s", label, held_since - started)
     try:
-        yield
+        yield limits, tuple(hold.paths)
     finally:
-        logger.info("releasing device slot(s) %s after holding them %.1f s", label, time.monotonic() - held_since)
         stop.set()
-        HELD_DEVICE_LOCKS.reset(token)
         try:
             with get_client(sync_client=True) as client:
                 client.release_concurrency_slots_with_lease(lease_id)
