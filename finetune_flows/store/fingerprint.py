@@ -38,12 +38,14 @@ STEP_CODE: dict[str, tuple[str, ...]] = {
     "quantize-base-model": ("models/quantize", "models/sources"),
     "train-adapter": ("training/train", "training/worker", "data/packing", "models/attention", "training/planner",
                       "training/distributed", "training/sharding", "training/compiling", "models/dequantize",
-                      "models/float8",
+                      "models/float8", "models/shapes",
                       "config/plan", "training/lean", "training/loss_chunks"),
     "evaluate-adapter": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
-                         "evaluation/static_engine", "models/dequantize", "data/packing", "models/kernels"),
+                         "evaluation/static_engine", "models/dequantize", "data/packing", "models/kernels",
+                         "models/shapes"),
     "evaluate-checkpoint": ("evaluation/evaluate", "evaluation/worker", "evaluation/metrics", "evaluation/generation",
-                            "evaluation/static_engine", "models/dequantize", "data/packing", "models/kernels"),
+                            "evaluation/static_engine", "models/dequantize", "data/packing", "models/kernels",
+                            "models/shapes"),
     "merge-adapter": ("export/merge", "models/dequantize"),
 }
 
@@ -67,13 +69,14 @@ PLUMBING_CODE = frozenset({
     "runtime/environment", "runtime/forkserver", "runtime/gpus", "runtime/launcher", "runtime/lifecycle",
     "runtime/policy", "runtime/processes", "store/entries", "store/fingerprint", "training/attempts",
     "training/checkpoints", "training/clock", "training/profiling", "config/preflight", "config/schema",
-    "config/plan", "training/planner", "training/sharding", "models/backends", "runtime/ray_cluster",
+    "config/plan", "training/planner", "training/sharding", "models/backends", "models/shapes", "runtime/ray_cluster",
 })
 # Per step, imported code whose effect reaches the key through an input's fingerprint (the dataset's, the base
 # model's, the adapter's files), or that the step uses for something else than its output.
 _INPUTS = ("data/dataset", "data/rows", "data/demo", "models/sources", "models/quantize")
 CODE_KEYED_BY_INPUTS: dict[str, frozenset[str]] = {
-    "prepare-dataset": frozenset(),
+    # the plan's attention probe (config/plan -> models/backends -> models/shapes) reads the model's config
+    "prepare-dataset": frozenset({"models/sources"}),
     "quantize-base-model": frozenset({"models/sources", "data/demo"}),
     # models/backends' probe generates with evaluation/generation, and only checks hardware.kernels
     "train-adapter": frozenset({*_INPUTS, "evaluation/generation", "models/kernels"}),
