@@ -812,6 +812,74 @@ def test_a_local_model_whose_tokenizer_cannot_load_is_one_message_before_any_ser
                                          "(JSONDecodeError: ")
 
 
+def bare_gguf(path: Path, architecture: str) -> Path:
+    """A GGUF of the given architecture with one small tensor and no tokenizer (enough for its header)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 16), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_gguf_header_reader_agrees_with_the_gguf_package_in_milliseconds(tmp_path):
+    """gguf.GGUFReader maps every tensor (about 2 s for the built-in model): too slow for every run's checks."""
+    import time
+
+    import gguf
+
+    from conftest import tiny_gguf
+    from finetune_flows.models.gguf_header import GGML_BLOCKS, read_gguf_header
+    from finetune_flows.models.sources import _builtin_gguf
+
+    assert {k: v for k, v in gguf.GGML_QUANT_SIZES.items() if k in GGML_BLOCKS} == GGML_BLOCKS
+    path = tiny_gguf(tmp_path / "tiny.gguf")
+    reader = gguf.GGUFReader(str(path))
+    header = read_gguf_header(path)
+    assert header.architecture == "llama" and header.size == path.stat().st_size
+    assert header.needed_bytes == max(t.data_offset + t.n_bytes for t in reader.tensors)
+    builtin = _builtin_gguf("smollm2-135m-instruct")[0]
+    started = time.perf_counter()
+    header = read_gguf_header(builtin)
+    assert time.perf_counter() - started < 0.5  # about 20 ms
+    assert header.architecture == "llama" and header.needed_bytes == header.size == builtin.stat().st_size
+
+
+@pytest.mark.parametrize("fault, said", [
+    ("data", "the file is truncated: its GGUF header declares 20096 bytes of header and tensor data, the file has "
+             "19096"),
+    ("header", "the file is truncated or corrupt: it ends inside its header (the file has 200 bytes)"),
+    ("bert", "the file is a GGUF of architecture bert, which transformers "),
+    ("t5", "the file is a GGUF of architecture t5, an encoder-decoder model; fine-tuning here needs a decoder-only"),
+    ("t5encoder", "the file is a GGUF of architecture t5encoder, an encoder-only model; fine-tuning here needs"),
+])
+def test_a_gguf_that_transformers_cannot_fine_tune_is_one_message_before_any_run(tmp_path, fault, said):
+    """A truncated GGUF was "its tokenizer cannot be loaded (ValueError: ...)", BERT's "architecture bert is not
+    supported yet", T5's a TypeError; with the data on the Hub the tokenizer is not loaded before the run, so a
+    worker met them. The header says it in one line, whatever the data."""
+    from conftest import tiny_gguf
+    from finetune_flows.errors import ModelSourceError
+
+    path = tmp_path / "model.gguf"
+    if fault in ("data", "header"):
+        data = tiny_gguf(tmp_path / "tiny.gguf").read_bytes()
+        assert len(data) == 20096
+        path.write_bytes(data[:200] if fault == "header" else data[:-1000])
+    else:
+        bare_gguf(path, fault)
+    with pytest.raises(ModelSourceError) as refused:
+        preflight(load_config(None, [f"model.source={path}", "data.source=hub:org/tickets",
+                                     f"run.cache_dir={tmp_path / 'c'}", f"run.output_dir={tmp_path / 'runs'}"]))
+    assert str(refused.value).startswith(f"model.source={path}: {said}"), refused.value
+    assert "\n" not in str(refused.value)
+    if fault == "bert":
+        assert "cannot load from GGUF; it loads " in str(refused.value) and "llama" in str(refused.value)
+
+
 def test_a_micro_batch_smaller_than_the_longest_row_is_said_before_any_server(tmp_path):
     """train.micro_batch_tokens below the longest training row was refused by the training plan only, after the base
     had been quantized, with advice (checkpointing, more memory) that does not help."""

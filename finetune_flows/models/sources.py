@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from finetune_flows.errors import ModelSourceError, first_line
+from finetune_flows.models.gguf_header import GGUFError, read_gguf_header
 from finetune_flows.store.fingerprint import code_version, combine, hash_bytes_of, is_hub_model
 from finetune_flows.store.entries import Entry, reuse_or_produce
 from finetune_flows.data.demo import corpus_for_tokenizer
@@ -63,7 +64,7 @@ def check_model_source(source: str, trust_remote_code: bool = False) -> None:
         name = source.split(":", 1)[1]
         if name not in BUILTIN:
             raise ModelSourceError(f"model.source={source}: unknown built-in model; known: {sorted(BUILTIN)}")
-        _builtin_gguf(name)
+        check_gguf(source, _builtin_gguf(name)[0])
         return
     if source.startswith("generated:"):
         arch = source.split(":", 1)[1]
@@ -76,6 +77,7 @@ def check_model_source(source: str, trust_remote_code: bool = False) -> None:
             with open(path, "rb") as f:
                 if path.suffix != ".gguf" or f.read(4) != b"GGUF":
                     raise ModelSourceError(f"model.source={source} is a file but not a GGUF model")
+            check_gguf(source, path)
             return
         if not (path / "config.json").is_file():
             raise ModelSourceError(f"model.source={source} is a directory without config.json: not a "
@@ -94,6 +96,45 @@ def check_model_source(source: str, trust_remote_code: bool = False) -> None:
         return
     if source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise ModelSourceError(f"model.source={source}: no such file or directory")
+
+
+# transformers' names for GGUF architectures spelled otherwise (modeling_gguf_pytorch_utils.load_gguf_checkpoint)
+GGUF_RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+# GGUF architectures transformers reads that are not decoder-only (it reads any architecture with "t5" in it as T5)
+GGUF_ENCODERS = ("t5", "umt5")
+
+
+def check_gguf(source: str, path: Path) -> None:
+    """A GGUF's header (milliseconds: gguf_header): a file shorter than the tensor data its header declares (a
+    download that stopped), an architecture transformers cannot load from GGUF, or an encoder model is one message
+    before a run, not an error from the tokenizer or the quantize worker (where the data is on the Hub, the tokenizer
+    is not loaded before the run)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING  # its keys are the architectures it loads
+
+    # the file is named where the source does not name it (a built-in)
+    said = f"model.source={source}: " + ("the file" if Path(source).expanduser() == path else str(path))
+    try:
+        header = read_gguf_header(path)
+    except GGUFError as exc:
+        raise ModelSourceError(f"{said} {exc}") from None
+    except OSError as exc:
+        raise ModelSourceError(f"{said} cannot be read ({exc.strerror or exc})") from None
+    if header.size < header.needed_bytes:
+        raise ModelSourceError(f"{said} is truncated: its GGUF header declares {header.needed_bytes} bytes of "
+                               f"header and tensor data, the file has {header.size}")
+    arch = header.architecture
+    if arch is None:
+        raise ModelSourceError(f"{said} has no general.architecture in its GGUF header")
+    if "t5" in arch:
+        kind = "an encoder-only model" if "encoder" in arch else "an encoder-decoder model"
+        raise ModelSourceError(f"{said} is a GGUF of architecture {arch}, {kind}; fine-tuning here needs a "
+                               "decoder-only causal language model (Llama, Qwen, Mistral, Phi-3, Gemma and the like)")
+    loads = sorted(set(GGUF_CONFIG_MAPPING) - {"general", "tokenizer", *GGUF_ENCODERS})
+    if arch not in loads and GGUF_RENAMED.get(arch) not in loads:
+        import transformers
+
+        raise ModelSourceError(f"{said} is a GGUF of architecture {arch}, which transformers "
+                               f"{transformers.__version__} cannot load from GGUF; it loads {', '.join(loads)}")
 
 
 def model_config(source: str, revision: str | None = None, trust_remote_code: bool = False):

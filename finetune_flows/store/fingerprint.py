@@ -63,13 +63,14 @@ STEP_ENTRIES: dict[str, tuple[str, ...]] = {
 # How the work runs and is recorded, not what it computes: processes, locks, logs, events, timing, atomic writes, the
 # store, the config's schema and checks (its values are in the keys), the installed versions' lookup (the versions are
 # in the keys), and the plan's resolution (the resolved device, precision, attention backends and strategy are in the
-# keys; the training planner is in its step's code).
+# keys; the training planner is in its step's code), and a GGUF's header check (it refuses files, converts none).
 PLUMBING_CODE = frozenset({
     "errors", "files", "logs", "packages", "orchestration/concurrency", "reporting/progress", "reporting/tracking",
     "runtime/environment", "runtime/forkserver", "runtime/gpus", "runtime/launcher", "runtime/lifecycle",
     "runtime/policy", "runtime/processes", "store/entries", "store/fingerprint", "training/attempts",
     "training/checkpoints", "training/clock", "training/profiling", "config/preflight", "config/schema",
     "config/plan", "training/planner", "training/sharding", "models/backends", "models/shapes", "runtime/ray_cluster",
+    "models/gguf_header",
 })
 # Per step, imported code whose effect reaches the key through an input's fingerprint (the dataset's, the base
 # model's, the adapter's files), or that the step uses for something else than its output.
