@@ -91,6 +91,22 @@ def test_a_directory_in_or_above_a_run_is_refused_naming_what_was_meant(tmp_path
                                        "previous run\n")
 
 
+def test_a_run_and_an_output_dir_together_are_refused(tmp_path, capsys):
+    """`compare RUN --output-dir X` compared RUN and never read X, without a word: --output-dir only says where the
+    latest run is when none is given."""
+    import pytest
+
+    run = make_run(tmp_path / "a", "nightly", "20261129-013000", summary(0.2, 0.8))
+    make_run(tmp_path / "b", "other", "20261129-013000", summary(0.2, 0.8))
+    for runs in ([run], [run, run]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*map(str, runs), "--output-dir", str(tmp_path / "b")])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.endswith("error: --output-dir is where the latest run is looked for when no "
+                                                "run is given; give run directories or --output-dir, not both\n")
+    assert main([str(run)]) == 0 and main(["--output-dir", str(tmp_path / "a")]) == 0
+
+
 def test_two_runs_given_newer_first_are_compared_with_a_note_that_says_so(tmp_path, capsys):
     """`compare NEW OLD` titled OLD "this run" and NEW "previous" and marked NEW's gains WORSE, without a word."""
     old = make_run(tmp_path, "nightly", "20261129-013000", summary(0.2, 0.8))

@@ -5,6 +5,7 @@ The previous run is the latest earlier *completed* fine-tune run (one with `summ
 publishes the comparison as the `eval-vs-previous` artifact and writes it to `<run>/comparison.md`.
 
     python -m finetune_flows.reporting.compare                       # the latest run in runs/ against its previous run
+    python -m finetune_flows.reporting.compare --output-dir DIR      # the latest run in DIR (only without RUN)
     python -m finetune_flows.reporting.compare runs/<run>            # that run against its previous run
     python -m finetune_flows.reporting.compare runs/<a> runs/<b>     # b against a
 """
@@ -182,11 +183,15 @@ def not_a_run(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", type=Path, help="RUN (against its previous run) or PREVIOUS RUN")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs"),
-                        help="where to find the latest run when none is given (default: %(default)s)")
+    parser.add_argument("--output-dir", type=Path,
+                        help="where to find the latest run when none is given (default: runs)")
     args = parser.parse_args(argv)
     if len(args.runs) > 2:
         parser.error("give at most two run directories")
+    if args.runs and args.output_dir is not None:  # it only says where the latest run is: with RUN it went unread
+        parser.error("--output-dir is where the latest run is looked for when no run is given; give run "
+                     "directories or --output-dir, not both")
+    output_dir = args.output_dir or Path("runs")
     for path in args.runs:
         if not (path / "summary.json").is_file():
             print(f"error: {path}: {not_a_run(path)}", file=sys.stderr)
@@ -204,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.runs:
         current, previous = args.runs[0], previous_run(args.runs[0])
     else:
-        done = sorted((p for p in args.output_dir.glob("*") if (p / "summary.json").is_file()), key=_order)
+        done = sorted((p for p in output_dir.glob("*") if (p / "summary.json").is_file()), key=_order)
         if not done:
-            print(f"error: no completed run in {args.output_dir}", file=sys.stderr)
+            print(f"error: no completed run in {output_dir}", file=sys.stderr)
             return 2
         current = done[-1]
         previous = previous_run(current)
