@@ -305,6 +305,24 @@ def test_an_export_cards_commands_make_this_checkpoint_again(tmp_path):
     assert f"python flows/export.py --adapter {adapter}   # merge this adapter again\n" in card
 
 
+def test_the_cards_commands_quote_paths_with_spaces(tmp_path):
+    """`finetune.py --config` and `evaluate.py --merged` were written unquoted: a run under a directory with a space
+    gave commands that split the path in two (the export command beside them was quoted)."""
+    import shlex
+
+    from finetune_flows.export.model_card import render_card
+
+    root = tmp_path / "my runs"
+    merged, base, data, env = card_inputs(root)
+    adapter, config_file = root / "run" / "adapter", root / "run" / "config.resolved.yaml"
+    card = render_card("run", merged, load_config(None, []), base, data, env, [], adapter, config_file)
+    commands = card.split("## Reproduce\n\n```bash\n")[1].split("```")[0].splitlines()
+    assert [shlex.split(c.split("   #")[0]) for c in commands] == [
+        ["python", "flows/finetune.py", "--config", str(config_file)],
+        ["python", "flows/export.py", "--adapter", str(adapter)],
+        ["python", "flows/evaluate.py", "--merged", str(merged.path)]]
+
+
 def test_an_export_that_only_dropped_the_trainings_tracking_is_not_carded_as_another_config(tmp_path):
     """flows/export.py logs to no tracker (without_tracking): the card of a plain export of a run that logged to
     MLflow said "The export itself ran with another config" and listed sections equal to the training's."""

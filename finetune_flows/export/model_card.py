@@ -95,10 +95,11 @@ def render_card(name: str, merged: MergedModel, cfg: FinetuneConfig, base: Quant
         f"{cfg.export.max_logit_error}), same top-1 token at {merged.top1_agreement:.2%} of positions.", "",
         f"{merged.parameters / 1e6:.1f}M parameters, {merged.size_mb:.1f} MiB.", "",
         "## Reproduce", "",
-        "```bash", f"python flows/finetune.py --config {config_file}   # train, evaluate"
+        "```bash", f"python flows/finetune.py --config {shlex.quote(str(config_file))}   # train, evaluate"
         + (" and merge again" if trained.export.merge else " again (it does not merge: export.merge is off)"),
         f"{export_command(adapter, overrides)}   # merge this adapter again",
-        f"python flows/evaluate.py --merged {merged.path}   # evaluate this checkpoint (beside base and the adapter)",
+        f"python flows/evaluate.py --merged {shlex.quote(str(merged.path))}   # evaluate this checkpoint (beside "
+        "base and the adapter)",
         "```", "",
         "## Versions", "", "| package | version |", "|---|---|", f"| python | {env.python} |",
         f"| torch | {env.torch} (CUDA {env.cuda_version}) |", *versions, "",
