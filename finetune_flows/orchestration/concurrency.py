@@ -218,18 +218,43 @@ def held_slot_files() -> tuple[str, ...]:
     return HELD_DEVICE_LOCKS.get()
 
 
-def _renew(lease_id: UUID, stop: threading.Event, logger, label: str) -> None:
+class _Lease:
+    """A lease on device slots, as its renewer last saw it."""
+
+    def __init__(self, lease_id: UUID, names: list[str]):
+        self.id, self.names = lease_id, names
+        self.taken = self.renewed = _clock()  # renewed: when the last renewal that succeeded was sent
+        self.lost = False  # the server forgot the lease before it could expire: its slots are still counted
+
+
+def _clock() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)  # counts a suspended host's sleep too, as the server's clock does
+
+
+def _renew(lease: _Lease, stop: threading.Event, logger, label: str) -> None:
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         interval = LEASE_SECONDS * 0.75
         while not stop.wait(interval):
+            sent = _clock()
             try:
-                client.renew_concurrency_lease(lease_id, LEASE_SECONDS)
-                interval = LEASE_SECONDS * 0.75
-            except Exception as exc:  # a server restart: try again soon, before the lease expires
-                logger.warning("could not renew the lease on device slot(s) %s (%s): retrying in 10 s", label, exc)
-                interval = 10.0
+                client.renew_concurrency_lease(lease.id, LEASE_SECONDS)
+                lease.renewed, interval = sent, LEASE_SECONDS * 0.75
+            except Exception as exc:
+                if getattr(getattr(exc, "response", None), "status_code", None) != 410:  # unreachable: retry soon
+                    logger.warning("could not renew the lease on device slot(s) %s (%s): retrying in 10 s", label,
+                                   exc)
+                    interval = 10.0
+                elif sent - lease.renewed < 0.95 * LEASE_SECONDS:  # gone before it could expire: a restarted server
+                    lease.lost = True  # (leases in memory) still counts the slots: released by name at the end
+                    logger.warning("the Prefect server lost the lease on device slot(s) %s (restarted?): holding "
+                                   "them still, and releasing them by name at the end", label)
+                    return
+                else:  # expired: the server freed the slots already
+                    logger.warning("the lease on device slot(s) %s expired (not renewed for %.0f s): the server may "
+                                   "give them to another run", label, sent - lease.renewed)
+                    return
 
 
 def _try_acquire(client, names: list[str]):
@@ -395,16 +420,22 @@ def _prefect_slots(names: list[str], wait: _WaitReport, logger) -> Iterator[tupl
             held = {n: why for n, why in held.items() if why}
             wait.busy(held)
             time.sleep(POLL_SECONDS if held else 0.1)  # none held: just freed, or taken and released meanwhile
+    lease = _Lease(lease_id, names)
     hold = _Hold(limits, lease_id, logger)
     stop = threading.Event()
-    threading.Thread(target=_renew, args=(lease_id, stop, logger, label), daemon=True).start()
+    renewer = threading.Thread(target=_renew, args=(lease, stop, logger, label), daemon=True)
+    renewer.start()
     try:
         yield limits, tuple(hold.paths)
     finally:
         stop.set()
+        renewer.join(timeout=10)  # a renewal under way may yet find the lease lost
         try:
             with get_client(sync_client=True) as client:
-                client.release_concurrency_slots_with_lease(lease_id)
+                if lease.lost:  # releasing the lease would be a no-op, and the slots counted for ever
+                    client.release_concurrency_slots(names, slots=1, occupancy_seconds=_clock() - lease.taken)
+                else:
+                    client.release_concurrency_slots_with_lease(lease_id)
         finally:
             hold.close()
 
