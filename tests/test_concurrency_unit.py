@@ -74,3 +74,29 @@ def test_a_slot_whose_lease_a_restarted_server_lost_is_released_by_name(monkeypa
     lost = [r for r in caplog.records if "lost the lease" in r.getMessage()]
     assert server.active == 0, server.calls  # before: the slot stayed taken for every later run, for ever
     assert server.calls.count("renew") == 1 and len(lost) == 1, server.calls  # said once, not every 10 s
+
+
+def test_a_slot_file_another_user_created_opens_where_o_creat_on_it_is_refused(monkeypatch, tmp_path):
+    """fs.protected_regular (systemd's default) refuses an O_CREAT open of another user's file in a sticky
+    directory even where it exists and is writable; the host lock was then skipped without a word. Simulated here
+    (the tests run as root on a host with the setting off): such an open raises as the kernel would."""
+    import os
+
+    from finetune_flows.orchestration import concurrency
+
+    path = tmp_path / "device-host-gpu0.lock"
+    path.write_text("")
+    real_open = os.open
+
+    def kernel_open(file, flags, *args):
+        if flags & os.O_CREAT and not flags & os.O_EXCL and os.path.exists(file):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, flags, *args)
+
+    monkeypatch.setattr(os, "open", kernel_open)
+    fd = concurrency._open_slot_file(path, create=True)
+    assert fd is not None
+    os.close(fd)
+    new = concurrency._open_slot_file(tmp_path / "new.lock", create=True)  # a missing file is still created
+    assert new is not None and (tmp_path / "new.lock").exists()
+    os.close(new)

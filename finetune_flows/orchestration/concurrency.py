@@ -130,7 +130,7 @@ def _open_slot_file(path: Path, create: bool) -> int | None:
             path.parent.mkdir(mode=0o1777, exist_ok=True)
             if path.parent.stat().st_uid == os.getuid():
                 os.chmod(path.parent, 0o1777)
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o666)
+        fd = _open_or_create(path) if create else os.open(path, os.O_RDWR)
     except OSError:
         return None
     try:
@@ -139,6 +139,20 @@ def _open_slot_file(path: Path, create: bool) -> int | None:
     except OSError:
         pass
     return fd
+
+
+def _open_or_create(path: Path) -> int:
+    """Open the file, creating it only where it does not exist: with fs.protected_regular (systemd's default) an
+    O_CREAT open of another user's file in a sticky directory is refused even where the file exists and is
+    writable, and the run would go on without the lock."""
+    try:
+        return os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        pass
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError:  # another run created it meanwhile
+        return os.open(path, os.O_RDWR)
 
 
 def _read_record(fd: int) -> dict[str, Any]:
