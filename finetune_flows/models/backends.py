@@ -32,7 +32,7 @@ from finetune_flows.runtime.gpus import GpuInfo, GpuSelection
 from finetune_flows.runtime.launcher import compile_caches, python_module, run_worker, write_job
 from finetune_flows.runtime.lifecycle import worker_main
 from finetune_flows.models.kernels import local_kernel_repo
-from finetune_flows.models.shapes import readable_shape
+from finetune_flows.models.sources import readable_shape
 from finetune_flows.models.attention import packed_kernel_for, use_packed_attention
 
 # Backend -> (distribution to install, test on one GPU's capability, what that test demands).

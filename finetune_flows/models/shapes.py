@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune_flows.errors import ModelSourceError
-from finetune_flows.models.sources import ARCHS, model_config
 
 # Where a config names its MLP width (GPT-2 and GPT-J: n_inner, Falcon: ffn_hidden_size, OPT: ffn_dim); with none
 # set (GPT-2's n_inner: null) the MLP is 4x the hidden size.
@@ -35,11 +34,8 @@ def config_shape(config) -> dict:
             "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False) if tied is None else tied)}
 
 
-def readable_shape(source: str, trust_remote_code: bool = False) -> dict | None:
-    """config_shape of a generated model or a local checkpoint directory (its config.json, through transformers'
-    config class: no weights, no download); None for other sources, whose config cannot be read that cheaply."""
-    if source.startswith("generated:"):
-        return config_shape(model_config(source)) if source.split(":", 1)[1] in ARCHS else None
-    path = Path(source).expanduser()
-    return config_shape(model_config(str(path), trust_remote_code=trust_remote_code)) \
-        if (path / "config.json").is_file() else None
+def checkpoint_shape(path: Path, trust_remote_code: bool = False) -> dict:
+    """config_shape of a local checkpoint directory's config.json (no weights)."""
+    from transformers import AutoConfig
+
+    return config_shape(AutoConfig.from_pretrained(Path(path), trust_remote_code=trust_remote_code))

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from finetune_flows.errors import ModelSourceError, first_line
 from finetune_flows.models.gguf_header import GGUFError, read_gguf_header
+from finetune_flows.models.shapes import checkpoint_shape, config_shape
 from finetune_flows.store.fingerprint import code_version, combine, hash_bytes_of, is_hub_model
 from finetune_flows.store.entries import Entry, reuse_or_produce
 from finetune_flows.data.demo import corpus_for_tokenizer
@@ -394,3 +395,12 @@ def tokenizer_without_download(source: str, cache_root: Path, revision: str | No
     except Exception as exc:  # what the dataset step would have met, after a server had started
         raise ModelSourceError(f"model.source={source}: its tokenizer cannot be loaded ({type(exc).__name__}: "
                                f"{first_line(exc)})") from None
+
+
+def readable_shape(source: str, trust_remote_code: bool = False) -> dict | None:
+    """config_shape of a generated model or a local checkpoint directory (its config.json, through transformers'
+    config class: no weights, no download); None for other sources, whose config cannot be read that cheaply."""
+    if source.startswith("generated:"):
+        return config_shape(model_config(source)) if source.split(":", 1)[1] in ARCHS else None
+    path = Path(source).expanduser()
+    return checkpoint_shape(path, trust_remote_code) if (path / "config.json").is_file() else None

@@ -73,10 +73,9 @@ class ModelShape:
     def from_checkpoint(cls, path: Path, trust_remote_code: bool = False) -> ModelShape:
         """From a checkpoint's config.json read through transformers' config class (GPT-2 names its keys n_head,
         n_embd, n_layer)."""
-        from finetune_flows.models.shapes import config_shape
-        from finetune_flows.models.sources import model_config
+        from finetune_flows.models.shapes import checkpoint_shape
 
-        return cls.from_config(config_shape(model_config(str(path), trust_remote_code=trust_remote_code)))
+        return cls.from_config(checkpoint_shape(path, trust_remote_code))
 
     @property
     def linear_shapes(self) -> dict[str, tuple[int, int]]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune_flows.config.schema import FinetuneConfig
-from finetune_flows.models.shapes import readable_shape
+from finetune_flows.models.sources import readable_shape
 from finetune_flows.training.planner import GIB, ModelShape, peak_bytes, planning_bytes
 from finetune_flows.errors import UserInputError
 
