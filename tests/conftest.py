@@ -45,10 +45,11 @@ def child_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str
 # longest first (seconds on one worker in a fresh-clone `make test`, as the "slowest files" summary below prints
 # them); the others follow in their usual order and fill the workers in at the end.
 LONGEST_FIRST = [
-    "test_scale_ray.py", "test_faults_stack.py", "test_scale_out.py", "test_deployments.py", "test_faults_cli.py",
-    "test_policy_deployments.py", "test_faults_store.py", "test_bench_eval.py", "test_faults_signals.py",
-    "test_progress.py", "test_pipeline.py", "test_bench_train.py", "test_faults.py", "test_tether.py",
-    "test_lifecycle.py", "test_preflight.py", "test_plots_ui.py", "test_honest_numbers.py", "test_plan_flow.py",
+    "test_scale_ray.py", "test_scale_out.py", "test_faults_signals.py", "test_preflight.py", "test_deployments.py",
+    "test_faults_stack.py", "test_faults_cli.py", "test_compiling.py", "test_pipeline.py",
+    "test_policy_deployments.py", "test_faults_store.py", "test_lifecycle.py", "test_float8.py", "test_faults.py",
+    "test_bench_train.py", "test_bench_eval.py", "test_progress.py", "test_tether.py", "test_plots_ui.py",
+    "test_honest_numbers.py", "test_plan_flow.py",
 ]
 
 
