@@ -162,6 +162,12 @@ def _read_record(fd: int) -> dict[str, Any]:
         return {}
 
 
+def _write_record(fd: int, record: bytes) -> None:
+    """Who holds a slot, in its file (read by waiters under the file's lock, _read_record)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, record, 0)
+
+
 def _describe(record: dict[str, Any], held: bool = True) -> str:
     """Who a slot file's record names; with `held` (its lock is taken), whether that is the holder or its workers."""
     if not record:
@@ -215,8 +221,7 @@ class _Hold:
                                "its lease to expire", path, name)
                 continue
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a waiter checks the file
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, record, 0)
+            _write_record(fd, record)
             self.fds.append(fd)
             self.paths.append(str(path))
 
@@ -341,8 +346,7 @@ class _HostLocks:
             return False
         record = _record()
         for device, workers in zip(fds[::2], fds[1::2]):
-            os.ftruncate(device, 0)
-            os.pwrite(device, record, 0)
+            _write_record(device, record)
             fcntl.flock(workers, fcntl.LOCK_SH)  # our workers take it shared too
         self.fds = fds
         self.workers_paths = [str(_host_lock_paths(n)[1]) for n in self.names]
